@@ -1,0 +1,1 @@
+"""Client side: the ClientApp, the client state store, and one trainer per method."""

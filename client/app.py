@@ -1,0 +1,109 @@
+"""The pflower ClientApp: thin glue between Flower messages and a method's trainer.
+
+Identity and data come from the node: ``partition-id`` (simulation) or ``client-id`` in
+``--node-config``, optional ``data-root`` (overrides ``dataset.root``) and ``state-dir``
+(where this client's private state lives; default ``<results_root>/<run>/client_state``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from omegaconf import DictConfig
+
+from client.registry import trainer_class
+from client.state import ClientStateStore
+from client.trainer import ClientRound
+from learning.config import compose_config
+from learning.data import FederatedData, load_federated_data
+from learning.models import resolve_device
+from strategies.protocol import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    config_dict,
+    from_record,
+    make_reply,
+    to_record,
+)
+
+app = ClientApp()
+
+
+def client_config(context: Context) -> DictConfig:
+    overrides = []
+    root = context.node_config.get("data-root")
+    if root:
+        overrides.append(f"dataset.root={root}")
+    return compose_config(dict(context.run_config), overrides)
+
+
+def client_id_of(context: Context) -> str:
+    """The stable id: ``client-id`` from node-config, else the simulation partition id."""
+    node = context.node_config
+    if "client-id" in node and str(node["client-id"]) != "":
+        return str(node["client-id"])
+    if "partition-id" in node:
+        return str(int(node["partition-id"]))
+    raise ValueError(
+        "this SuperNode has neither 'partition-id' nor 'client-id' in its node config; start it "
+        "with --node-config \"partition-id=0 num-partitions=N\""
+    )
+
+
+def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: str) -> Path:
+    node_dir = context.node_config.get("state-dir")
+    if node_dir:
+        return Path(str(node_dir)) / run_name / client_id
+    root = Path(cfg.state_root) if cfg.state_root else Path(cfg.results_root) / run_name / "client_state"
+    return root / client_id
+
+
+def check_partitions(context: Context, data: FederatedData) -> None:
+    expected = context.node_config.get("num-partitions")
+    if expected is not None and int(expected) != len(data.clients):
+        raise ValueError(
+            f"node config says num-partitions={expected} but dataset {data.name!r} has "
+            f"{len(data.clients)} clients; make them agree (dataset.clients_per_domain x domains)"
+        )
+
+
+def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
+    cfg = client_config(context)
+    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
+    client_id = client_id_of(context)
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    check_partitions(context, data)
+    run_name = str(server_cfg.get("run-name", cfg.run_name))
+    rnd = ClientRound(
+        cfg=cfg, client_id=client_id, data=data.client(client_id), num_classes=data.num_classes,
+        input_shape=data.input_shape, device=resolve_device(str(cfg.device)),
+        server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
+    )
+    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state)
+    trainer = trainer_class(str(cfg.strategy.name))(cfg)
+    return trainer, rnd, store
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    trainer, rnd, store = _round(msg, context)
+    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+    state, meta = store.load()
+    result = trainer.fit(rnd, payload, state)
+    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id})
+    extra = {k: to_record(v) for k, v in result.extra.items()}
+    return make_reply(msg, result.upload, result.metrics, rnd.client_id, result.num_examples, extra)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    trainer, rnd, store = _round(msg, context)
+    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+    state, _ = store.load()
+    metrics = trainer.evaluate(rnd, payload, state)
+    return make_reply(msg, {}, metrics, rnd.client_id, len(rnd.data.test))
+
+

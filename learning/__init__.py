@@ -1,0 +1,1 @@
+"""Shared ML code for server and clients: data, partitioning, models, training loops."""

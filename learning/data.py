@@ -1,0 +1,374 @@
+"""Federated datasets: sources, synthetic domains, and per-client train/val/test splits.
+
+A dataset config (``conf/dataset/*.yaml``) names a ``source`` and a list of ``domains``.
+Sources:
+- ``digits``: scikit-learn's bundled handwritten digits (1,797 8x8 images; no download).
+- ``mnist`` / ``fashion-mnist`` / ``cifar10`` / ``cifar100``: torchvision datasets read
+  from ``root`` (never downloaded here; the error names the expected files).
+- ``imagefolder``: a multi-domain tree ``root/<domain>/<class>/<image>`` (PACS,
+  Office-Home, Office-Caltech10, DomainNet layouts).
+
+For a single-image-set source the samples are first split disjointly among the domains,
+then each domain's pool is transformed by its fixed domain transform (``rotate-90``,
+``invert``, ``noise``, ...). Each domain pool is partitioned across
+``clients_per_domain + new_clients_per_domain`` clients (label skew via flwr-datasets),
+and every client's samples are cut into train/val/test. So every training sample belongs
+to exactly one client. Client ids are ``"0".."N-1"`` (the simulation partition ids) for
+participating clients and ``"new-0"..`` for held-out new clients.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from learning.partition import (
+    PartitionError,
+    partition_indices,
+    split_among_domains,
+    split_train_val_test,
+)
+
+SOURCES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be loaded as configured; the message names the fix."""
+
+
+@dataclass
+class ClientSplit:
+    """One client's data: its own train, validation and test sets."""
+
+    client_id: str
+    domain: str
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    train_indices: np.ndarray = field(repr=False)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)
+
+
+@dataclass
+class FederatedData:
+    """All clients of one dataset config. Built identically on every process."""
+
+    name: str
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    clients: dict[str, ClientSplit]
+    new_clients: dict[str, ClientSplit]
+
+    @property
+    def client_ids(self) -> list[str]:
+        return list(self.clients)
+
+    def client(self, client_id: str) -> ClientSplit:
+        if client_id in self.clients:
+            return self.clients[client_id]
+        if client_id in self.new_clients:
+            return self.new_clients[client_id]
+        raise DatasetError(
+            f"client id {client_id!r} is not in dataset {self.name!r}, which has clients "
+            f"{self.client_ids[0]}..{self.client_ids[-1]} and new clients "
+            f"{list(self.new_clients)}; check num-partitions / partition-id / client-id"
+        )
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def apply_domain_transform(x: torch.Tensor, name: str, seed: int) -> torch.Tensor:
+    """Apply the fixed transform of a synthetic domain to a batch ``x`` (N, C, H, W) in [0, 1].
+
+    Names: ``original``, ``invert``, ``rotate-<degrees>`` (e.g. ``rotate-90``),
+    ``noise`` (low contrast plus fixed Gaussian noise), ``blur``, ``flip``.
+    """
+    import torchvision.transforms.functional as tf
+
+    if name in ("original", "identity"):
+        return x
+    if name == "invert":
+        return 1.0 - x
+    if name == "flip":
+        return torch.flip(x, dims=[3])
+    if name == "noise":
+        gen = torch.Generator().manual_seed(seed)
+        return (0.35 + 0.4 * x + 0.15 * torch.randn(x.shape, generator=gen)).clamp(0.0, 1.0)
+    if name == "blur":
+        return tf.gaussian_blur(x, kernel_size=3, sigma=1.0)
+    if name.startswith("rotate-"):
+        try:
+            angle = float(name.split("-", 1)[1])
+        except ValueError as err:
+            raise DatasetError(f"bad rotation domain {name!r}; use e.g. 'rotate-90'") from err
+        return tf.rotate(x, angle, interpolation=tf.InterpolationMode.BILINEAR)
+    raise DatasetError(
+        f"unknown domain transform {name!r}; valid: original, invert, flip, noise, blur, "
+        "rotate-<degrees>"
+    )
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor:
+    return (x - 0.5) / 0.5
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _load_digits() -> tuple[torch.Tensor, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return x, bunch.target.astype(np.int64)
+
+
+_TORCHVISION_LAYOUT = {
+    "mnist": ("MNIST", "<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    "fashion-mnist": (
+        "FashionMNIST",
+        "<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
+    ),
+    "cifar10": ("CIFAR10", "<root>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}"),
+    "cifar100": ("CIFAR100", "<root>/cifar-100-python/{train,test,meta}"),
+}
+
+
+def _load_torchvision(source: str, root: str) -> tuple[torch.Tensor, np.ndarray]:
+    """Load train+test of a torchvision dataset from ``root`` as one pool in [0, 1]."""
+    import torchvision.datasets as tvd
+
+    cls_name, layout = _TORCHVISION_LAYOUT[source]
+    if not root:
+        raise DatasetError(
+            f"dataset source {source!r} needs dataset.root: a folder laid out as {layout} "
+            "(torchvision's layout; downloads are not done by pflower)"
+        )
+    if not Path(root).is_dir():
+        raise DatasetError(f"dataset.root {root!r} does not exist; expected layout {layout}")
+    cls = getattr(tvd, cls_name)
+    xs, ys = [], []
+    for train in (True, False):
+        try:
+            ds = cls(root=root, train=train, download=False)
+        except RuntimeError as err:
+            raise DatasetError(
+                f"could not read {source} from {root!r}: {err}. Expected layout: {layout}"
+            ) from err
+        data = ds.data
+        data = torch.as_tensor(np.asarray(data))
+        if data.ndim == 3:  # (N, H, W) grey
+            data = data.unsqueeze(1)
+        else:  # (N, H, W, C)
+            data = data.permute(0, 3, 1, 2)
+        xs.append(data.float() / 255.0)
+        ys.append(np.asarray(ds.targets, dtype=np.int64))
+    return torch.cat(xs), np.concatenate(ys)
+
+
+class _ImageFolderDomain(Dataset):
+    """Lazy images of one domain folder, resized to a square ``image_size``."""
+
+    def __init__(self, folder: Path, classes: list[str], image_size: int) -> None:
+        import torchvision.datasets as tvd
+        import torchvision.transforms as T
+
+        self.folder = folder
+        self._ds = tvd.ImageFolder(str(folder))
+        remap = {i: classes.index(c) for i, c in enumerate(self._ds.classes)}
+        self.targets = np.array([remap[t] for t in self._ds.targets], dtype=np.int64)
+        self.transform = T.Compose(
+            [
+                T.Resize((image_size, image_size)),
+                T.ToTensor(),
+                T.Normalize([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+            ]
+        )
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path, _ = self._ds.samples[i]
+        img = self._ds.loader(path).convert("RGB")
+        return self.transform(img), int(self.targets[i])
+
+
+def _imagefolder_domains(
+    root: str, domains: list[str], image_size: int
+) -> tuple[list[_ImageFolderDomain], list[str]]:
+    layout = "<root>/<domain>/<class>/<image files>"
+    if not root:
+        raise DatasetError(f"an imagefolder dataset needs dataset.root laid out as {layout}")
+    base = Path(root)
+    if not base.is_dir():
+        raise DatasetError(f"dataset.root {root!r} does not exist; expected layout {layout}")
+    missing = [d for d in domains if not (base / d).is_dir()]
+    if missing:
+        present = sorted(p.name for p in base.iterdir() if p.is_dir())
+        raise DatasetError(
+            f"domain folders {missing} are missing under {root!r} (found {present}); "
+            f"expected layout {layout}"
+        )
+    classes = sorted({c.name for d in domains for c in (base / d).iterdir() if c.is_dir()})
+    if not classes:
+        raise DatasetError(f"no class folders under the domains of {root!r}; expected {layout}")
+    pools = []
+    for d in domains:
+        try:
+            pools.append(_ImageFolderDomain(base / d, classes, image_size))
+        except (FileNotFoundError, RuntimeError) as err:
+            raise DatasetError(
+                f"domain {d!r} under {root!r} has no readable images ({err}); expected {layout}"
+            ) from err
+    return pools, classes
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _freeze(cfg: Mapping[str, Any]) -> str:
+    return json.dumps(dict(cfg), sort_keys=True, default=str)
+
+
+def load_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> FederatedData:
+    """Build (and cache per process) the federated dataset of a config."""
+    return _load_federated_data_cached(_freeze(_plain(dataset_cfg)), int(seed))
+
+
+def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_federated_data_cached(frozen: str, seed: int) -> FederatedData:
+    cfg = json.loads(frozen)
+    return build_federated_data(cfg, seed)
+
+
+def num_clients(dataset_cfg: Mapping[str, Any]) -> int:
+    """Number of participating clients of a dataset config, without loading any data."""
+    return len(dataset_cfg["domains"]) * int(dataset_cfg["clients_per_domain"])
+
+
+def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
+    """Build every client's split. Deterministic in (cfg, seed)."""
+    source = cfg.get("source")
+    if source not in SOURCES:
+        raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
+    domains: list[str] = list(cfg["domains"])
+    if not domains:
+        raise DatasetError("dataset.domains is empty; list at least one domain")
+    per_domain = int(cfg["clients_per_domain"])
+    new_per_domain = int(cfg.get("new_clients_per_domain", 0))
+    if per_domain < 1:
+        raise DatasetError(f"dataset.clients_per_domain must be >= 1, got {per_domain}")
+    rng_seed = int(seed) * 1000 + 17
+
+    # One pool per domain: (dataset of transformed samples, labels).
+    pools: list[tuple[Dataset, np.ndarray]] = []
+    if source == "imagefolder":
+        folders, classes = _imagefolder_domains(
+            str(cfg.get("root", "")), domains, int(cfg.get("image_size", 64))
+        )
+        num_classes = len(classes)
+        size = int(cfg.get("image_size", 64))
+        input_shape = (3, size, size)
+        pools = [(f, f.targets) for f in folders]
+    else:
+        if source == "digits":
+            x, y = _load_digits()
+        else:
+            x, y = _load_torchvision(source, str(cfg.get("root", "")))
+        num_classes = int(cfg.get("num_classes", 0)) or int(y.max()) + 1
+        limit = int(cfg.get("max_samples", 0))
+        if limit and limit < len(y):
+            keep = np.sort(np.random.default_rng(rng_seed).permutation(len(y))[:limit])
+            x, y = x[keep], y[keep]
+        if int(cfg.get("image_size", 0)) and int(cfg["image_size"]) != x.shape[-1]:
+            import torch.nn.functional as F
+
+            s = int(cfg["image_size"])
+            x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False)
+        input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+        share = bool(cfg.get("domains_share_samples", False))
+        domain_idx = (
+            [np.arange(len(y))] * len(domains)
+            if share
+            else split_among_domains(len(y), len(domains), rng_seed)
+        )
+        for d, (name, idx) in enumerate(zip(domains, domain_idx, strict=True)):
+            xd = apply_domain_transform(x[idx], name, seed=rng_seed + d)
+            pools.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
+
+    clients: dict[str, ClientSplit] = {}
+    new_clients: dict[str, ClientSplit] = {}
+    for d, (name, (pool, labels)) in enumerate(zip(domains, pools, strict=True)):
+        total = per_domain + new_per_domain
+        try:
+            parts = partition_indices(
+                labels,
+                total,
+                scheme=str(cfg.get("partition", "dirichlet")),
+                seed=rng_seed + 101 * d,
+                dirichlet_alpha=float(cfg.get("dirichlet_alpha", 0.5)),
+                shards_per_client=int(cfg.get("shards_per_client", 2)),
+            )
+        except PartitionError as err:
+            raise DatasetError(f"domain {name!r}: {err}") from err
+        cap = int(cfg.get("samples_per_client", 0))
+        for k, part in enumerate(parts):
+            if cap and len(part) > cap:
+                part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:cap])
+            tr, va, te = split_train_val_test(
+                part,
+                float(cfg.get("val_fraction", 0.15)),
+                float(cfg.get("test_fraction", 0.2)),
+                seed=rng_seed + 1000 * d + k,
+            )
+            if k < per_domain:
+                cid = str(d * per_domain + k)
+                target = clients
+            else:
+                cid = f"new-{d * new_per_domain + (k - per_domain)}"
+                target = new_clients
+            target[cid] = ClientSplit(
+                client_id=cid,
+                domain=name,
+                train=Subset(pool, tr.tolist()),
+                val=Subset(pool, va.tolist()),
+                test=Subset(pool, te.tolist()),
+                train_indices=tr,
+            )
+    return FederatedData(
+        name=str(cfg.get("name", source)),
+        num_classes=num_classes,
+        input_shape=input_shape,
+        clients=clients,
+        new_clients=new_clients,
+    )
+
+
+def label_histogram(ds: Dataset, num_classes: int) -> np.ndarray:
+    """Count of each label in a dataset (used for reports and weighted accuracy)."""
+    labels = [int(ds[i][1]) for i in range(len(ds))]
+    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)

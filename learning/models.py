@@ -1,0 +1,241 @@
+"""Models with named parameter groups.
+
+Every model exposes its final classifier as the attribute ``head`` (an ``nn.Linear``), so
+"head" and "body" are defined the same way for every method: head = the ``head.*`` keys of
+the state dict, body = every other key (BN parameters and buffers are body). BN keys and
+coarse stages are found by :func:`parameter_groups`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet")
+
+
+class ModelError(ValueError):
+    """A model cannot be built as configured; the message names the fix."""
+
+
+class SmallCNN(nn.Module):
+    """Default model: conv-BN-ReLU x2 (+pool), one hidden linear layer, linear head."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int = 32,
+                 hidden: int = 128) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(4 if image_size >= 8 else 2),
+        )
+        pooled = 4 if image_size >= 8 else 2
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * pooled * pooled, hidden),
+                                nn.ReLU(inplace=True))
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.features(x)))
+
+
+class CNN4(nn.Module):
+    """FedBABU's 4-conv CNN: four conv3x3-BN-ReLU-maxpool blocks, linear head."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int = 64) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c, size = in_channels, image_size
+        for _ in range(4):
+            layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            if size >= 2:
+                layers.append(nn.MaxPool2d(2))
+                size //= 2
+            c = width
+        self.features = nn.Sequential(*layers, nn.Flatten())
+        self.head = nn.Linear(width * max(size, 1) ** 2, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class MobileNetCIFAR(nn.Module):
+    """MobileNet (v1) for 32x32 inputs as used by FedBABU (13 depthwise-separable blocks)."""
+
+    CFG: tuple[int | tuple[int, int], ...] = (
+        64, (128, 2), 128, (256, 2), 256, (512, 2), 512, 512, 512, 512, 512, (1024, 2), 1024,
+    )
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int,
+                 width_mult: float = 1.0) -> None:
+        super().__init__()
+        c0 = int(32 * width_mult)
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, c0, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(c0), nn.ReLU(inplace=True)]
+        c = c0
+        for item in self.CFG:
+            out, stride = (item if isinstance(item, tuple) else (item, 1))
+            out = int(out * width_mult)
+            layers += [
+                nn.Conv2d(c, c, 3, stride=stride, padding=1, groups=c, bias=False),
+                nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+                nn.Conv2d(c, out, 1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True),
+            ]
+            c = out
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class AlexNetBN(nn.Module):
+    """AlexNet with BatchNorm after every conv and hidden linear layer (FedBN / FDSE backbone).
+
+    Channel widths 64-192-384-256-256 and hidden 4096-4096 scaled by ``width``; an adaptive
+    pool makes it accept any input size (the papers use 256x256 images).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int,
+                 width: float = 1.0) -> None:
+        super().__init__()
+        w = [max(8, int(c * width)) for c in (64, 192, 384, 256, 256)]
+        hidden = max(16, int(4096 * width))
+        big = image_size >= 64
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, w[0], 11 if big else 3, stride=4 if big else 1,
+                      padding=2 if big else 1),
+            nn.BatchNorm2d(w[0]), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2) if big else nn.Identity(),
+            nn.Conv2d(w[0], w[1], 5 if big else 3, padding=2 if big else 1),
+            nn.BatchNorm2d(w[1]), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2) if big else nn.Identity(),
+            nn.Conv2d(w[1], w[2], 3, padding=1), nn.BatchNorm2d(w[2]), nn.ReLU(inplace=True),
+            nn.Conv2d(w[2], w[3], 3, padding=1), nn.BatchNorm2d(w[3]), nn.ReLU(inplace=True),
+            nn.Conv2d(w[3], w[4], 3, padding=1), nn.BatchNorm2d(w[4]), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(6 if big else 2),
+            nn.Flatten(),
+        )
+        pooled = 6 if big else 2
+        self.fc = nn.Sequential(
+            nn.Linear(w[4] * pooled * pooled, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+        )
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.features(x)))
+
+
+class MLP(nn.Module):
+    """Multi-layer perceptron on flattened inputs (FEDORA: 784-128-128-10)."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: list[int] | tuple[int, ...]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        f = in_features
+        for h in hidden:
+            layers += [nn.Linear(f, int(h)), nn.ReLU(inplace=True)]
+            f = int(h)
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(f, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _resnet18(in_channels: int, num_classes: int, pretrained_path: str, small_input: bool) -> nn.Module:
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None)
+    if pretrained_path:
+        path = Path(pretrained_path)
+        if not path.is_file():
+            raise ModelError(
+                f"model.pretrained_path {pretrained_path!r} does not exist; give a local "
+                "torchvision resnet18 state_dict file or leave it empty"
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+    if small_input or in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, 3 if small_input else 7, stride=1 if small_input else 2,
+                                padding=1 if small_input else 3, bias=False)
+        if small_input:
+            model.maxpool = nn.Identity()
+    head = nn.Linear(model.fc.in_features, num_classes)
+    model.fc = nn.Identity()
+    return _WithHead(model, head)
+
+
+class _WithHead(nn.Module):
+    """Wrap a backbone so its classifier is the attribute ``head``."""
+
+    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
+                num_classes: int) -> nn.Module:
+    """Build the configured model for inputs of ``input_shape`` (C, H, W)."""
+    name = str(model_cfg.get("name"))
+    c, h, w = input_shape
+    if name == "cnn":
+        return SmallCNN(c, num_classes, h, int(model_cfg.get("width", 32)), int(model_cfg.get("hidden", 128)))
+    if name == "cnn4":
+        return CNN4(c, num_classes, h, int(model_cfg.get("width", 64)))
+    if name == "mobilenet":
+        return MobileNetCIFAR(c, num_classes, h, float(model_cfg.get("width_mult", 1.0)))
+    if name == "alexnet-bn":
+        return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)))
+    if name == "resnet18":
+        return _resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
+                         bool(model_cfg.get("small_input", True)))
+    if name == "mlp":
+        return MLP(c * h * w, num_classes, list(model_cfg.get("hidden", [128, 128])))
+    if name == "fdse-alexnet":
+        from learning.fdse_model import build_fdse_model
+
+        return build_fdse_model(model_cfg, input_shape, num_classes)
+    raise ModelError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+
+
+def is_head_key(key: str) -> bool:
+    return key.startswith("head.")
+
+
+def bn_module_prefixes(model: nn.Module) -> list[str]:
+    """Names of every BatchNorm module (their weight, bias and running stats are BN keys)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def parameter_groups(model: nn.Module) -> dict[str, list[str]]:
+    """State-dict keys by group: ``head``, ``body`` (everything else), ``bn`` (BN params
+    and buffers, a subset of body) and ``bn_stats`` (BN running statistics only)."""
+    keys = list(model.state_dict().keys())
+    bn_prefixes = tuple(p + "." for p in bn_module_prefixes(model))
+    bn = [k for k in keys if k.startswith(bn_prefixes)]
+    bn_stats = [k for k in bn if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")]
+    head = [k for k in keys if is_head_key(k)]
+    return {"head": head, "body": [k for k in keys if not is_head_key(k)], "bn": bn, "bn_stats": bn_stats,
+            "all": keys}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` -> CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"device {name!r} requested but CUDA is not available; use device=auto or cpu")
+    return torch.device(name)

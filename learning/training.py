@@ -1,0 +1,155 @@
+"""Training and evaluation loops shared by every method.
+
+Methods customise local training through three hooks instead of writing their own loop:
+which parameters are trainable (``trainable``), an extra loss term (``extra_loss``, e.g.
+FedProx's proximal term), and the optimiser settings. Frozen parameters are kept out of
+the optimiser entirely, so weight decay and momentum cannot move them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class OptimConfig:
+    """Local optimiser settings (SGD by default, as in every paper we reproduce)."""
+
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    epochs: int = 1
+    batch_size: int = 32
+    clip: float = 0.0
+    optimizer: str = "sgd"
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, Any], lr_scale: float = 1.0) -> OptimConfig:
+        return cls(
+            lr=float(cfg.get("lr", 0.05)) * lr_scale,
+            momentum=float(cfg.get("momentum", 0.9)),
+            weight_decay=float(cfg.get("weight_decay", 0.0)),
+            epochs=int(cfg.get("local_epochs", cfg.get("epochs", 1))),
+            batch_size=int(cfg.get("batch_size", 32)),
+            clip=float(cfg.get("clip", 0.0)),
+            optimizer=str(cfg.get("optimizer", "sgd")),
+        )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def make_loader(ds: Dataset, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+    gen = torch.Generator().manual_seed(seed)
+    # drop_last only when it keeps at least one batch: BN needs > 1 sample per batch.
+    drop_last = shuffle and len(ds) > batch_size and len(ds) % batch_size == 1
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen, drop_last=drop_last)
+
+
+def make_optimizer(params: Iterable[nn.Parameter], opt: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adam":
+        return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    raise ValueError(f"unknown optimizer {opt.optimizer!r}; valid: sgd, adam")
+
+
+def train_epochs(
+    model: nn.Module,
+    train_set: Dataset,
+    opt: OptimConfig,
+    device: torch.device,
+    seed: int = 0,
+    trainable: Callable[[str], bool] | None = None,
+    extra_loss: ExtraLoss | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, float]:
+    """Train ``model`` in place for ``opt.epochs`` epochs on ``train_set``.
+
+    ``trainable(name)`` selects the parameters given to the optimiser (the others get
+    ``requires_grad=False`` for the duration and are restored afterwards).
+    ``extra_loss(model, x, y, logits)`` is added to the cross-entropy loss.
+    Returns the mean training loss and accuracy over the last epoch and the step count.
+    """
+    model.to(device).train()
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    if trainable is not None:
+        for n, p in model.named_parameters():
+            p.requires_grad_(bool(trainable(n)))
+    optimizer = optimizer or make_optimizer(model.parameters(), opt)
+    loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=seed)
+    loss_fn = nn.CrossEntropyLoss()
+    steps, total, correct, loss_sum = 0, 0, 0, 0.0
+    try:
+        for _ in range(max(0, opt.epochs)):
+            total, correct, loss_sum = 0, 0, 0.0
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                optimizer.zero_grad(set_to_none=True)
+                logits = model(x)
+                loss = loss_fn(logits, y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, x, y, logits)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"training loss became {loss.item()}; lower train.lr or enable train.clip"
+                    )
+                loss.backward()
+                if opt.clip > 0:
+                    nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opt.clip)
+                optimizer.step()
+                steps += 1
+                total += len(y)
+                correct += int((logits.argmax(1) == y).sum())
+                loss_sum += float(loss.detach()) * len(y)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
+    return {
+        "train_loss": loss_sum / max(total, 1),
+        "train_accuracy": correct / max(total, 1),
+        "steps": float(steps),
+    }
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: int = 256) -> dict[str, float]:
+    """Cross-entropy loss and accuracy of ``model`` on ``ds`` (eval mode)."""
+    model.to(device).eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    total, correct, loss_sum = 0, 0, 0.0
+    for x, y in make_loader(ds, batch_size, shuffle=False):
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += float(loss_fn(logits, y))
+        correct += int((logits.argmax(1) == y).sum())
+        total += len(y)
+    return {"loss": loss_sum / max(total, 1), "accuracy": correct / max(total, 1), "num": float(total)}
+
+
+def proximal_term(reference: Mapping[str, torch.Tensor], mu: float,
+                  keys: Callable[[str], bool] | None = None) -> ExtraLoss:
+    """``mu / 2 * sum ||w - w_ref||^2`` over the model's parameters (FedProx, Ditto)."""
+
+    def term(model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        sq = torch.zeros((), device=logits.device)
+        for n, p in model.named_parameters():
+            if n in reference and (keys is None or keys(n)) and p.requires_grad:
+                sq = sq + torch.sum((p - reference[n].to(p.device)) ** 2)
+        return 0.5 * mu * sq
+
+    return term

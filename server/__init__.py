@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, the federation loop, checkpoints, results and the CLI."""

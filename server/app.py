@@ -1,0 +1,68 @@
+"""The pflower ServerApp: compose the config, build the strategy, run, write results."""
+
+from __future__ import annotations
+
+from logging import ERROR, INFO
+
+import torch
+from flwr.app import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig
+
+from learning.config import compose_config
+from learning.data import FederatedData, load_federated_data
+from learning.models import build_model
+from learning.params import get_arrays
+from server.loop import run_federation
+from server.results import RunRecorder
+from strategies.base import PersonalizedStrategy
+from strategies.registry import strategy_class
+
+app = ServerApp()
+
+
+def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy:
+    """Initial model from the run seed, then the configured strategy around it."""
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    cls = strategy_class(str(cfg.strategy.name))
+    return cls(
+        initial_arrays=get_arrays(model),
+        client_ids=data.client_ids,
+        fraction_train=float(cfg.fraction_train),
+        min_train_clients=min(int(cfg.min_train_clients), len(data.client_ids)),
+        weighted=bool(cfg.strategy.get("weighted", True)),
+        seed=int(cfg.seed),
+        wait_for_clients=float(cfg.wait_for_clients),
+        norm_bound=float(cfg.get("norm_bound", 0.0)),
+        options=dict(cfg.strategy),
+        model=model,
+        cfg=cfg,
+        data=data,
+    )
+
+
+def client_info(data: FederatedData) -> dict[str, dict[str, object]]:
+    return {cid: {"num_train": c.num_train, "domain": c.domain} for cid, c in data.clients.items()}
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = compose_config(dict(context.run_config))
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    recorder = RunRecorder(cfg, resume=bool(cfg.resume))
+    log(INFO, "pflower: strategy=%s dataset=%s (%d clients) model=%s rounds=%d -> %s",
+        cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)
+    strategy = build_strategy(cfg, data)
+    try:
+        run_federation(strategy, grid, cfg, recorder)
+    except Exception as err:
+        log(ERROR, "pflower run failed: %s", err)
+        (recorder.dir / "FAILED").write_text(f"{type(err).__name__}: {err}\n")
+        raise
+    (recorder.dir / "FAILED").unlink(missing_ok=True)
+    summary = recorder.finish(client_info(data), strategy.summary_extras())
+    log(INFO, "pflower: accuracy mean %.4f min %.4f std %.4f (best round %d by validation) -> %s",
+        summary["accuracy_mean"], summary["accuracy_min"], summary["accuracy_std"],
+        summary["best_round"], recorder.dir / "summary.json")

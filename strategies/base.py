@@ -1,0 +1,358 @@
+"""Shared server mechanics for every pflower strategy (written once).
+
+:class:`PersonalizedStrategy` is a Flower Message-API ``Strategy`` that keeps
+- ``global_arrays``: the shared model (or the shared part of it),
+- ``personal``: per-client server-side arrays keyed by the *stable* client id (the
+  partition id the client reports in its reply metrics, never the per-run node id),
+and sends every client its own fresh RecordDict: the global arrays overlaid with its
+personal ones. It validates replies (names, shapes, dtypes, finite values, optional norm
+bound), records failures, refuses to aggregate when fewer than ``min_train_clients``
+replied (naming who is missing), evaluates *all* clients, and can be checkpointed.
+
+A method overrides :meth:`aggregate_updates` (the math, delegating to pure functions) and,
+if it needs to, :meth:`payload_for`. The default :meth:`aggregate_updates` is FedAvg over
+whatever keys the clients uploaded.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from learning.params import NDArrays, num_bytes, weighted_mean
+from strategies.protocol import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    NUM_EXAMPLES,
+    decode_client_id,
+    from_record,
+    to_record,
+)
+
+
+class RoundFailedError(RuntimeError):
+    """Too few clients replied in a round; the message names the missing ones."""
+
+
+@dataclass
+class ClientUpdate:
+    """One client's validated reply."""
+
+    client_id: str
+    node_id: int
+    arrays: NDArrays
+    num_examples: int
+    metrics: dict[str, float]
+    extra: dict[str, NDArrays] = field(default_factory=dict)
+
+
+@dataclass
+class RoundLog:
+    """What happened in one round's communication (goes into metrics.jsonl)."""
+
+    sampled: list[str] = field(default_factory=list)
+    replied: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)   # client or node -> reason
+    rejected: dict[str, str] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+
+
+def conform_scalars(arrays: NDArrays, reference: Mapping[str, np.ndarray]) -> NDArrays:
+    """Flower ships 0-d arrays (e.g. BN's num_batches_tracked) as shape (1,): restore them."""
+    return {k: (a.reshape(()) if k in reference and reference[k].ndim == 0 and a.shape == (1,) else a)
+            for k, a in arrays.items()}
+
+
+def validate_arrays(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                    norm_bound: float = 0.0, base: Mapping[str, np.ndarray] | None = None) -> str | None:
+    """Return why an uploaded set of arrays is unacceptable, or None if it is fine.
+
+    Checks: every name is a known model tensor, shapes and dtypes match, values are finite,
+    and (if ``norm_bound`` > 0) the update's L2 norm against ``base`` is within the bound.
+    """
+    unknown = [k for k in arrays if k not in reference]
+    if unknown:
+        return f"unknown array names {unknown[:3]}"
+    for k, a in arrays.items():
+        ref = reference[k]
+        if a.shape != ref.shape:
+            return f"array {k!r} has shape {a.shape}, expected {ref.shape}"
+        if a.dtype != ref.dtype:
+            return f"array {k!r} has dtype {a.dtype}, expected {ref.dtype}"
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+            return f"array {k!r} contains NaN or Inf"
+    if norm_bound > 0 and base is not None:
+        sq = sum(float(np.sum((a.astype(np.float64) - base[k]) ** 2)) for k, a in arrays.items()
+                 if k in base and np.issubdtype(a.dtype, np.floating))
+        if np.sqrt(sq) > norm_bound:
+            return f"update norm {np.sqrt(sq):.3g} exceeds the bound {norm_bound:.3g}"
+    return None
+
+
+class PersonalizedStrategy(Strategy):
+    """FedAvg with per-client state and the shared mechanics above.
+
+    FedAvg (McMahan et al., 2017): w <- sum_k n_k w_k / sum_k n_k over the clients of the
+    round, per uploaded tensor (unweighted mean with ``weighted=False``).
+    """
+
+    name: ClassVar[str] = "fedavg"
+
+    def __init__(
+        self,
+        initial_arrays: NDArrays,
+        client_ids: list[str],
+        fraction_train: float = 1.0,
+        min_train_clients: int = 2,
+        weighted: bool = True,
+        seed: int = 0,
+        wait_for_clients: float = 120.0,
+        norm_bound: float = 0.0,
+        train_config: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        model: Any = None,
+        cfg: Any = None,
+        data: Any = None,
+    ) -> None:
+        """``model``, ``cfg`` and ``data`` (the initial torch model, the resolved config and
+        the FederatedData) are given to methods that need them (e.g. to split parameter
+        classes or know the held-out clients); the base class only keeps references."""
+        self.global_arrays: NDArrays = dict(initial_arrays)
+        self.reference: NDArrays = {k: np.asarray(v) for k, v in initial_arrays.items()}
+        self.client_ids = list(client_ids)
+        self.personal: dict[str, NDArrays] = {}
+        self.node_to_client: dict[int, str] = {}
+        self.fraction_train = float(fraction_train)
+        self.min_train_clients = int(min_train_clients)
+        self.weighted = bool(weighted)
+        self.wait_for_clients = float(wait_for_clients)
+        self.norm_bound = float(norm_bound)
+        self.train_config = dict(train_config or {})
+        self.options = dict(options or {})
+        self.rng = random.Random(seed)
+        self.round_log = RoundLog()
+        self.last_eval: dict[str, dict[str, float]] = {}
+        self._sent: dict[int, NDArrays] = {}
+        self._sent_eval: list[int] = []
+        self.eval_failed: dict[str, str] = {}
+        self.model, self.cfg, self.data = model, cfg, data
+
+    # ------------------------------------------------------------------ method hooks
+    def payload_for(self, client_id: str | None) -> NDArrays:
+        """Arrays to send to one client: global, overlaid with its personal arrays."""
+        payload = dict(self.global_arrays)
+        if client_id is not None and client_id in self.personal:
+            payload.update(self.personal[client_id])
+        return payload
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """FedAvg over the uploaded keys (a method overrides this with its own rule)."""
+        uploaded = [u for u in updates if u.arrays]
+        if not uploaded:
+            return
+        keys = set(uploaded[0].arrays)
+        weights = [float(u.num_examples) if self.weighted else 1.0 for u in uploaded]
+        mean = weighted_mean([{k: u.arrays[k] for k in keys} for u in uploaded], weights)
+        self.global_arrays.update(mean)
+        log(INFO, "aggregate: FedAvg of %d tensors over %d clients", len(keys), len(uploaded))
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Method-specific values to record in this round's metrics line (JSON-able)."""
+        return {}
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Method-specific values for summary.json (JSON-able)."""
+        return {}
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> %s: fraction_train=%.2f, min_train_clients=%d, weighted=%s",
+            self.name, self.fraction_train, self.min_train_clients, self.weighted)
+        log(INFO, "\t└──> %d clients expected: %s", len(self.client_ids), ", ".join(self.client_ids))
+
+    # ------------------------------------------------------------------ nodes
+    def _connected_nodes(self, grid: Grid) -> list[int]:
+        """Wait (bounded) for the expected number of nodes, then return those connected."""
+        deadline = time.monotonic() + self.wait_for_clients
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < len(self.client_ids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            nodes = list(grid.get_node_ids())
+        if len(nodes) < self.min_train_clients:
+            raise RoundFailedError(
+                f"only {len(nodes)} of {len(self.client_ids)} clients connected within "
+                f"{self.wait_for_clients:.0f}s (min_train_clients={self.min_train_clients}); "
+                "start more SuperNodes or lower min_train_clients"
+            )
+        return sorted(nodes)
+
+    def _message(self, node_id: int, payload: NDArrays, config: Mapping[str, Any],
+                 message_type: str) -> Message:
+        record = RecordDict({ARRAYS_KEY: to_record(payload), CONFIG_KEY: ConfigRecord(dict(config))})
+        return Message(content=record, message_type=message_type, dst_node_id=node_id)
+
+    def _label(self, node_id: int) -> str:
+        return self.node_to_client.get(node_id, f"node-{node_id}")
+
+    # ------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        nodes = self._connected_nodes(grid)
+        k = max(self.min_train_clients, int(round(len(nodes) * self.fraction_train)))
+        sampled = sorted(self.rng.sample(nodes, min(k, len(nodes))))
+        cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
+        self.round_log = RoundLog(sampled=[self._label(n) for n in sampled])
+        self._sent = {}
+        messages = []
+        for node in sampled:
+            payload = self.payload_for(self.node_to_client.get(node))
+            self._sent[node] = payload
+            self.round_log.bytes_down[self._label(node)] = num_bytes(payload)
+            messages.append(self._message(node, payload, cfg, MessageType.TRAIN))
+        log(INFO, "configure_train: round %d, sampled %d of %d clients", server_round, len(sampled),
+            len(nodes))
+        return messages
+
+    def parse_replies(self, replies: Iterable[Message], sent_to: Iterable[int]) -> list[ClientUpdate]:
+        """Validate replies into ClientUpdates; record failures, rejections and no-shows."""
+        updates: list[ClientUpdate] = []
+        answered: set[int] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            answered.add(node)
+            if msg.has_error():
+                self.round_log.failed[self._label(node)] = f"client error: {msg.error.reason}"
+                log(WARNING, "client %s failed: %s", self._label(node), msg.error.reason)
+                continue
+            metrics = dict(msg.content.metric_records[METRICS_KEY].items()) \
+                if METRICS_KEY in msg.content.metric_records else {}
+            try:
+                cid = decode_client_id(metrics)
+            except (KeyError, ValueError) as err:
+                self.round_log.rejected[self._label(node)] = str(err)
+                continue
+            self.node_to_client[node] = cid
+            arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), self.reference)
+            reason = validate_arrays(arrays, self.reference, self.norm_bound, self._sent.get(node))
+            if reason is not None:
+                self.round_log.rejected[cid] = reason
+                log(WARNING, "rejected the update of client %s: %s", cid, reason)
+                continue
+            extra = {k: from_record(v) for k, v in msg.content.array_records.items() if k != ARRAYS_KEY}
+            updates.append(ClientUpdate(
+                client_id=cid, node_id=node, arrays=arrays,
+                num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
+                metrics={k: float(v) for k, v in metrics.items()}, extra=extra,
+            ))
+            self.round_log.replied.append(cid)
+            self.round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
+        for node in sent_to:
+            if node not in answered:
+                self.round_log.failed[self._label(node)] = "no reply within the round timeout"
+        return updates
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        updates = self.parse_replies(replies, self._sent.keys())
+        log(INFO, "aggregate_train: %d replies, %d failed, %d rejected", len(updates),
+            len(self.round_log.failed), len(self.round_log.rejected))
+        if len(updates) < self.min_train_clients:
+            problems = {**self.round_log.failed, **self.round_log.rejected}
+            raise RoundFailedError(
+                f"round {server_round}: only {len(updates)} valid replies, min_train_clients="
+                f"{self.min_train_clients}; missing or rejected: "
+                + (", ".join(f"{c} ({r})" for c, r in problems.items()) or "none sampled")
+            )
+        self.aggregate_updates(server_round, updates)
+        return to_record(self.global_arrays), MetricRecord(self.train_metrics(updates))
+
+    def train_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
+        weights = np.array([u.num_examples for u in updates], dtype=np.float64)
+        keys = set.intersection(*(set(u.metrics) for u in updates)) - {NUM_EXAMPLES}
+        out = {k: float(np.average([u.metrics[k] for u in updates], weights=weights))
+               for k in sorted(keys) if not k.startswith(("client-index", "new-client-index"))}
+        out["clients"] = float(len(updates))
+        return out
+
+    # ------------------------------------------------------------------ evaluate
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Evaluate every connected client (not only the sampled ones)."""
+        nodes = self._connected_nodes(grid)
+        cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
+        self._sent_eval = list(nodes)
+        return [self._message(n, self.payload_for(self.node_to_client.get(n)), cfg, MessageType.EVALUATE)
+                for n in nodes]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        self.last_eval = {}
+        eval_failed: dict[str, str] = {}
+        answered = set()
+        for msg in replies:
+            answered.add(msg.metadata.src_node_id)
+            if msg.has_error():
+                eval_failed[self._label(msg.metadata.src_node_id)] = msg.error.reason
+                continue
+            metrics = dict(msg.content.metric_records[METRICS_KEY].items())
+            cid = decode_client_id(metrics)
+            self.node_to_client[msg.metadata.src_node_id] = cid
+            self.last_eval[cid] = {k: float(v) for k, v in metrics.items()}
+        for n in self._sent_eval:
+            if n not in answered:
+                eval_failed[self._label(n)] = "no reply within the round timeout"
+        self.eval_failed = eval_failed
+        if not self.last_eval:
+            return None
+        return MetricRecord(summarise_clients(self.last_eval))
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_arrays(self) -> dict[str, NDArrays]:
+        """Everything the strategy must restore on resume, as named array groups."""
+        groups: dict[str, NDArrays] = {"global": dict(self.global_arrays)}
+        for cid, arrays in self.personal.items():
+            groups[f"personal/{cid}"] = dict(arrays)
+        return groups
+
+    def load_state_arrays(self, groups: Mapping[str, NDArrays]) -> None:
+        self.global_arrays = dict(groups.get("global", self.global_arrays))
+        self.personal = {k.split("/", 1)[1]: dict(v) for k, v in groups.items() if k.startswith("personal/")}
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"rng": _rng_to_json(self.rng.getstate()), "name": self.name}
+
+    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
+        if "rng" in meta:
+            self.rng.setstate(_rng_from_json(meta["rng"]))
+
+
+def summarise_clients(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Mean, min and std over clients of every metric all clients reported."""
+    keys = set.intersection(*(set(m) for m in per_client.values()))
+    out: dict[str, float] = {"clients": float(len(per_client))}
+    for k in sorted(keys):
+        if k in (NUM_EXAMPLES, "client-index", "new-client-index"):
+            continue
+        vals = np.array([m[k] for m in per_client.values()], dtype=np.float64)
+        out[f"{k}_mean"], out[f"{k}_min"], out[f"{k}_std"] = float(vals.mean()), float(vals.min()), float(vals.std())
+    return out
+
+
+def _rng_to_json(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(data: list) -> tuple:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)

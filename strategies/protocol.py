@@ -1,0 +1,78 @@
+"""The message protocol between pflower's ServerApp and ClientApp (written once).
+
+A message from the server carries:
+- ``arrays``: an ArrayRecord of named arrays this client should load (the global model or
+  the part of it the method shares, plus the client's personalised arrays if the server
+  holds any for it);
+- ``config``: a ConfigRecord with ``server-round``, ``run-name`` and method settings.
+
+A reply carries ``arrays`` (what the client uploads; may be empty) and ``metrics``, a
+MetricRecord that always holds ``num-examples`` and ``client-id`` (the stable client id,
+as an int partition id or as a hash-free string in ``client-name``), plus method metrics.
+Other records (e.g. FEDORA's ``basis``) are method-specific extras.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+ARRAYS_KEY = "arrays"
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+NUM_EXAMPLES = "num-examples"
+CLIENT_INDEX = "client-index"     # int: participating client index, or -1 for named clients
+NEW_CLIENT_INDEX = "new-client-index"
+
+
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Numpy dict -> ArrayRecord (order preserved)."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def from_record(record: ArrayRecord | None) -> dict[str, np.ndarray]:
+    """ArrayRecord -> numpy dict (no pickle involved: Flower arrays are raw buffers)."""
+    if record is None:
+        return {}
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def encode_client_id(client_id: str) -> dict[str, int]:
+    """Metrics can only hold numbers: participating clients "7" -> 7, new clients "new-2" ->
+    new-client-index 2. Other names are carried in the config record of the reply."""
+    if client_id.isdigit():
+        return {CLIENT_INDEX: int(client_id)}
+    if client_id.startswith("new-") and client_id[4:].isdigit():
+        return {CLIENT_INDEX: -1, NEW_CLIENT_INDEX: int(client_id[4:])}
+    raise ValueError(
+        f"client id {client_id!r} must be a partition index like '3' or a held-out client like "
+        "'new-0'"
+    )
+
+
+def decode_client_id(metrics: Mapping[str, object]) -> str:
+    if CLIENT_INDEX not in metrics:
+        raise KeyError(f"reply metrics carry no {CLIENT_INDEX!r}; is the client a pflower ClientApp?")
+    idx = int(metrics[CLIENT_INDEX])  # type: ignore[arg-type]
+    if idx >= 0:
+        return str(idx)
+    return f"new-{int(metrics[NEW_CLIENT_INDEX])}"  # type: ignore[arg-type]
+
+
+def make_reply(msg: Message, arrays: Mapping[str, np.ndarray], metrics: Mapping[str, float],
+               client_id: str, num_examples: int,
+               extra: Mapping[str, ArrayRecord] | None = None) -> Message:
+    """Build a reply with uploaded arrays, metrics and the stable client id."""
+    m = {k: float(v) for k, v in metrics.items()}
+    m[NUM_EXAMPLES] = int(num_examples)
+    m.update(encode_client_id(client_id))
+    content = RecordDict({ARRAYS_KEY: to_record(arrays), METRICS_KEY: MetricRecord(m)})
+    for key, rec in (extra or {}).items():
+        content[key] = rec
+    return Message(content=content, reply_to=msg)
+
+
+def config_dict(record: ConfigRecord | None) -> dict[str, object]:
+    return dict(record.items()) if record is not None else {}
