@@ -1,0 +1,166 @@
+"""``pflower`` command line: run a simulation, compare runs, sweep a grid.
+
+    pflower run [KEY=VALUE ...]          # Hydra overrides, e.g. strategy=fedbn seed=1 train.lr=0.01
+    pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
+    pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
+
+``run`` validates the config before anything starts, runs the Flower simulation through
+``flwr run`` against a private SuperLink, stops every process it started, and exits
+non-zero unless the run wrote its ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from learning.config import ConfigError, compose_config
+from learning.data import DatasetError, num_clients
+
+RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "model",
+                   "experiment": "experiment", "rounds": "rounds", "seed": "seed",
+                   "run_name": "run-name", "results_root": "results-root"}
+
+
+def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Separate run-config keys (strategy=..., seed=...) from other Hydra overrides."""
+    run_cfg: dict[str, str] = {}
+    rest: list[str] = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not KEY=VALUE (e.g. strategy=fedbn)")
+        key, value = ov.split("=", 1)
+        if key in RUN_CONFIG_KEYS:
+            run_cfg[RUN_CONFIG_KEYS[key]] = value
+        else:
+            rest.append(ov)
+    return run_cfg, rest
+
+
+def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
+    items = dict(run_cfg)
+    if rest:
+        items["overrides"] = " ".join(shlex.quote(o) for o in rest)
+    return " ".join(f"{k}={json.dumps(str(v))}" for k, v in items.items())
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from server.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
+
+    run_cfg, rest = split_overrides(args.overrides)
+    run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
+    try:
+        cfg = compose_config(run_cfg, rest)
+        n = num_clients(cfg.dataset)
+    except (ConfigError, DatasetError) as err:
+        print(f"pflower: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.results_root) / cfg.run_name
+    summary = run_dir / "summary.json"
+    started = time.time()
+    federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
+                  f"client-resources-num-gpus={_num(args.num_gpus)}")
+    print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}")
+    try:
+        with simulation_superlink() as (_, flwr_home):
+            code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation)
+    except LaunchError as err:
+        print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("pflower: interrupted; all Flower processes were stopped", file=sys.stderr)
+        return 130
+    failed = run_dir / "FAILED"
+    if failed.exists():
+        print(f"pflower: run failed: {failed.read_text().strip()}", file=sys.stderr)
+        return 1
+    if code != 0 or not summary.exists() or summary.stat().st_mtime < started:
+        print(f"pflower: run did not complete (flwr exit code {code}, no fresh {summary}); "
+              "see the log above", file=sys.stderr)
+        return 1
+    s = json.loads(summary.read_text())
+    print(f"pflower: done. accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
+          f"std {s['accuracy_std']:.4f} -> {summary}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from server.compare import compare_runs
+
+    try:
+        text = compare_runs([Path(p) for p in args.runs], out=Path(args.out) if args.out else None,
+                            plot=Path(args.plot) if args.plot else None)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"pflower compare: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """``a=1,2 b=x`` -> [[a=1, b=x], [a=2, b=x]] (comma lists are swept, as Hydra multirun)."""
+    axes = []
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if value.startswith("[") or "," not in value:
+            axes.append([ov])
+        else:
+            axes.append([f"{key}={v}" for v in value.split(",")])
+    return [list(c) for c in itertools.product(*axes)]
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    grid = expand_grid(args.overrides)
+    runs: list[Path] = []
+    failures = 0
+    for i, combo in enumerate(grid, 1):
+        print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
+        run_cfg, rest = split_overrides(combo)
+        root = Path(run_cfg.get("results-root", "results")).resolve()
+        cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
+        code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus))
+        if code != 0:
+            failures += 1
+            continue
+        runs.append(root / cfg.run_name)
+    if runs:
+        cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pflower", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run one simulation")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client")
+    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client (e.g. 0.25)")
+    p.set_defaults(func=cmd_run)
+    c = sub.add_parser("compare", help="compare run folders in one table and plot")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--out", default="", help="write the Markdown table here")
+    c.add_argument("--plot", default="", help="write the comparison plot here (PNG)")
+    c.set_defaults(func=cmd_compare)
+    s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it")
+    s.add_argument("overrides", nargs="+")
+    s.add_argument("--out", default="")
+    s.add_argument("--plot", default="")
+    s.add_argument("--num-cpus", type=float, default=1.0)
+    s.add_argument("--num-gpus", type=float, default=0.0)
+    s.set_defaults(func=cmd_sweep)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

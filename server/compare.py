@@ -1,0 +1,107 @@
+"""Compare run folders: one Markdown table (mean ± std over seeds) and one plot.
+
+Runs are grouped by (strategy, dataset, model); each group's row gives the mean and
+standard deviation over its seeds of the final personalised accuracy (mean over
+clients and worst client), the global model's accuracy where there is one, and the
+best-by-validation round's accuracy. If a ``local`` group with the same dataset, model
+and seeds is present, FEDORA's relative accuracy (R-Acc: mean over clients of
+acc / acc_local) and positive transfer ratio (PTR: share of clients whose accuracy beats
+Local's) are added, computed per seed and client against the Local run with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COLUMNS = (
+    ("accuracy_mean", "acc mean"),
+    ("accuracy_min", "acc min"),
+    ("global_accuracy_mean", "global acc"),
+    ("best_accuracy_mean", "acc @ best val round"),
+)
+
+
+def load_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} has no summary.json (did the run finish?)")
+    data = json.loads(path.read_text())
+    data["_dir"] = str(run_dir)
+    return data
+
+
+def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any]) -> tuple[float, float]:
+    """(R-Acc, PTR) of one run against the Local run of the same seed and splits."""
+    common = sorted(set(run["clients"]) & set(local["clients"]))
+    if not common:
+        raise ValueError(f"runs {run['_dir']} and {local['_dir']} share no clients")
+    ratios, wins = [], []
+    for cid in common:
+        a, b = float(run["clients"][cid]["accuracy"]), float(local["clients"][cid]["accuracy"])
+        ratios.append(a / b if b > 0 else (1.0 if a == 0 else float("inf")))
+        wins.append(a > b)
+    return float(np.mean(ratios)), float(np.mean(wins))
+
+
+def _fmt(values: list[float]) -> str:
+    if not values:
+        return "-"
+    arr = np.asarray(values, dtype=np.float64)
+    if len(arr) == 1:
+        return f"{arr[0]:.4f}"
+    return f"{arr.mean():.4f} ± {arr.std():.4f}"
+
+
+def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | None = None) -> str:
+    runs = [load_summary(d) for d in run_dirs]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["strategy"], r["dataset"], r.get("model", ""))].append(r)
+    locals_by_seed = {(r["dataset"], r.get("model", ""), r["seed"]): r for r in runs if r["strategy"] == "local"}
+    show_rel = bool(locals_by_seed)
+    header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
+    if show_rel:
+        header += ["R-Acc", "PTR"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows_for_plot = []
+    for (strategy, dataset, model), members in sorted(groups.items()):
+        members.sort(key=lambda r: r["seed"])
+        cells = [strategy, dataset, model, ",".join(str(r["seed"]) for r in members)]
+        for key, _ in COLUMNS:
+            cells.append(_fmt([r[key] for r in members if key in r]))
+        if show_rel:
+            rel = [relative_to_local(r, locals_by_seed[(dataset, model, r["seed"])])
+                   for r in members if (dataset, model, r["seed"]) in locals_by_seed]
+            cells += [_fmt([x[0] for x in rel]), _fmt([x[1] for x in rel])]
+        lines.append("| " + " | ".join(cells) + " |")
+        accs = [r["accuracy_mean"] for r in members]
+        rows_for_plot.append((f"{strategy}\n{dataset}", float(np.mean(accs)), float(np.std(accs))))
+    text = "\n".join(lines)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    if plot is not None:
+        _plot(rows_for_plot, plot)
+    return text
+
+
+def _plot(rows: list[tuple[str, float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
+    ax.bar([r[0] for r in rows], [r[1] for r in rows], yerr=[r[2] for r in rows], capsize=4)
+    ax.set_ylabel("final personalised accuracy (mean over clients)")
+    ax.set_ylim(0, 1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,196 @@
+"""Start and stop Flower processes that pflower owns, and submit runs with ``flwr run``.
+
+``flwr run`` against the ``:local:`` address starts a *detached* SuperLink that outlives
+the command. pflower instead starts its own ``flower-superlink`` (simulation or
+deployment mode) on free loopback ports, in its own process group, points a private
+``$FLWR_HOME/config.toml`` at it, and kills the whole group when done, also on failure
+or Ctrl-C. So a pflower command leaves no Flower or Ray process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parent.parent
+FEDERATION = "pflower"
+
+
+class LaunchError(RuntimeError):
+    """A Flower process could not be started or a run could not be submitted."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise LaunchError(f"process {proc.args[0]!r} exited with code {proc.returncode} before "
+                              f"listening on {host}:{port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.2)
+    raise LaunchError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the process group of ``proc`` (it must be a session leader), then SIGKILL."""
+    if proc.poll() is not None and not _group_alive(proc.pid):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.1)
+        with contextlib.suppress(Exception):
+            proc.poll()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=2)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # zombies count as gone
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True)
+    return any(s and not s.startswith("Z") for s in out.stdout.split())
+
+
+@dataclass
+class SuperLink:
+    """A ``flower-superlink`` in its own process group, on free loopback ports."""
+
+    simulation: bool = True
+    host: str = "127.0.0.1"
+    extra_args: Sequence[str] = ()
+    insecure: bool = True
+    fleet_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-link-")))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def control_address(self) -> str:
+        """Flower 1.39 serves the Control API on the runtime HTTP port."""
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def fleet_address(self) -> str:
+        return f"{self.host}:{self.fleet_port}"
+
+    def command(self) -> list[str]:
+        cmd = [_exe("flower-superlink")]
+        if self.insecure:
+            cmd.append("--insecure")
+        cmd += ["--isolation", "subprocess",
+                "--fleet-api-address", f"{self.host}:{self.fleet_port}",
+                "--host", self.host, "--port", str(self.http_port),
+                "--database", str(self.workdir / "state.db"),
+                "--disable-runtime-dependency-installation"]
+        if self.simulation:
+            cmd.append("--simulation")
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 60.0) -> SuperLink:
+        log_path = self.workdir / "superlink.log"
+        self.proc = subprocess.Popen(self.command(), stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=flower_env())
+        try:
+            wait_for_port(self.host, self.http_port, timeout, self.proc)
+        except LaunchError as err:
+            self.stop()
+            raise LaunchError(f"{err}; SuperLink log:\n{_tail(log_path)}") from err
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+
+    def __enter__(self) -> SuperLink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _exe(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(found).exists():
+        raise LaunchError(f"{name} not found; install pflower's dependencies (pip install -e .)")
+    return found
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
+    return env
+
+
+def write_flwr_config(flwr_home: Path, control_address: str, root_certificates: str | None = None) -> Path:
+    """A ``$FLWR_HOME/config.toml`` with one connection named ``pflower``."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{FEDERATION}"', "", f"[superlink.{FEDERATION}]",
+             f'address = "{control_address}"']
+    if root_certificates:
+        lines.append(f'root-certificates = "{root_certificates}"')
+    else:
+        lines.append("insecure = true")
+    path = flwr_home / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config: str = "",
+             timeout: float | None = None) -> int:
+    """``flwr run <app> pflower --stream`` with our FLWR_HOME; returns its exit code."""
+    cmd = [_exe("flwr"), "run", str(app_dir), FEDERATION, "--stream", "--run-config", run_config]
+    if federation_config:
+        cmd += ["--federation-config", federation_config]
+    proc = subprocess.Popen(cmd, env=flower_env(flwr_home), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except BaseException:
+        kill_group(proc)
+        raise
+
+
+@contextlib.contextmanager
+def simulation_superlink() -> Iterator[tuple[SuperLink, Path]]:
+    """A private simulation SuperLink plus a FLWR_HOME that points at it."""
+    link = SuperLink(simulation=True)
+    flwr_home = link.workdir / "flwr-home"
+    write_flwr_config(flwr_home, link.control_address)
+    with link:
+        yield link, flwr_home
