@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
@@ -82,28 +83,71 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         input_shape=data.input_shape, device=resolve_device(str(cfg.device)),
         server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
     )
-    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state)
+    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state,
+                             checkpoint_every=int(cfg.checkpoint_every))
     trainer = trainer_class(str(cfg.strategy.name))(cfg)
     return trainer, rnd, store
+
+
+def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
+    """Which saved state versions this call may use (see client/state.py): the server's
+    ``resume-round`` and this run attempt's id."""
+    resumed = rnd.config.get("resume-round")
+    return {"resumed_from": None if resumed is None else int(resumed),  # type: ignore[arg-type]
+            "attempt": str(context.run_id)}
+
+
+def inject_faults(cfg: DictConfig, client_id: str, server_round: int, where: str) -> bool:
+    """Test-only fault injection (``faults.*`` in conf/config.yaml, all off by default).
+
+    ``where="before"``: raise if this client is in ``faults.crash_clients`` and the round
+    matches ``faults.crash_round`` (0 = every round). ``where="after"``: return True if this
+    client's upload must be replaced by NaNs (``faults.nan_clients`` / ``faults.nan_round``).
+    """
+    faults = cfg.get("faults")
+    if not faults:
+        return False
+
+    def hit(clients_key: str, round_key: str) -> bool:
+        clients = {str(c) for c in (faults.get(clients_key) or [])}
+        at = int(faults.get(round_key, 0) or 0)
+        return client_id in clients and (at == 0 or at == server_round)
+
+    if where == "before" and hit("crash_clients", "crash_round"):
+        raise RuntimeError(f"injected fault: client {client_id} crashes in round {server_round} "
+                           "(faults.crash_clients)")
+    return where == "after" and hit("nan_clients", "nan_round")
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
+    inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "before")
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
-    state, meta = store.load()
+    scope = _state_scope(rnd, context)
+    state, meta = store.load(max_round=rnd.server_round - 1, **scope)
     result = trainer.fit(rnd, payload, state)
-    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id})
+    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id},
+               server_round=rnd.server_round, attempt=scope["attempt"])
+    upload = result.upload
+    if inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "after"):
+        upload = {k: np.full_like(v, np.nan) if np.issubdtype(v.dtype, np.floating) else v
+                  for k, v in upload.items()}
     extra = {k: to_record(v) for k, v in result.extra.items()}
-    return make_reply(msg, result.upload, result.metrics, rnd.client_id, result.num_examples, extra)
+    return make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
-    state, _ = store.load()
+    state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
     metrics = trainer.evaluate(rnd, payload, state)
     return make_reply(msg, {}, metrics, rnd.client_id, len(rnd.data.test))
 
 
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Identify this node: the server asks before sampling, so that it can address every
+    client by its stable id (and send it its personal arrays) from the first message on."""
+    return make_reply(msg, {}, {}, client_id_of(context), 0)

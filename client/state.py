@@ -1,56 +1,136 @@
 """Per-client private state: in ``context.state`` during a run, and on disk every round.
 
 ``context.state`` survives rounds within one run but not a SuperNode restart nor a new
-run, so every save is also written to ``<state_dir>/state.npz`` with a SHA-256 checksum
-beside it (``state.json``), atomically (see ``learning/storage.py``). Files are read with
-``allow_pickle=False``: state is plain named arrays plus JSON metadata, never a pickle.
+run, so every save is also written to disk, as one *version per server round*:
+``<state_dir>/state-r000007.npz`` (arrays + JSON metadata + SHA-256, written atomically,
+read with ``allow_pickle=False``; see ``learning/storage.py``).
+
+Why versions: a server resumed from its checkpoint of round ``c`` re-runs rounds
+``c+1...``, but a client may already have saved state for round ``c+1`` (or later) before
+the run was killed. Loading that would make the resumed run differ from an uninterrupted
+one. So the server sends ``server-round`` and ``resume-round`` (the checkpoint round it
+resumed from, 0 for a fresh run) with every message, and the ClientApp asks for the
+newest version that
+- was saved at a round <= ``max_round`` (``server-round - 1`` for training: the state
+  *before* this round; ``server-round`` for evaluation: the state after it), and
+- was saved at a round <= ``resume-round`` or by this very run attempt (``attempt``,
+  the Flower run id). Versions from an earlier, interrupted attempt after the
+  checkpoint, and state left by an unrelated earlier run of the same name, are ignored.
+
+Retention: saving round ``t`` deletes versions after ``t`` (leftovers of an interrupted
+attempt) and keeps, below ``t``, everything after the newest server checkpoint that
+surely exists (round ``floor((t-1)/k)*k`` for ``checkpoint_every=k``) plus the newest
+version at or before it; with ``k=0`` (no checkpoints) the last two versions are kept.
+A corrupt or truncated version raises :class:`StateCorruptError` (the client's round
+fails and the server records it); it is never silently replaced by an older version.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from learning.storage import StateCorruptError, load_arrays_file, save_arrays_file
+from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 
-STATE_FILE = "state.npz"
+STATE_FILE = "state.npz"          # legacy single-file name (still read if no versions exist)
+VERSION_RE = re.compile(r"^state-r(\d+)\.npz$")
 
 __all__ = ["ClientStateStore", "StateCorruptError", "STATE_FILE"]
 
 
 class ClientStateStore:
     """A client's private state: named arrays (models, logits, coefficients) and JSON-able
-    metadata (e.g. last round), mirrored in ``context.state`` and on disk."""
+    metadata, mirrored in ``context.state`` and versioned on disk by server round."""
 
-    def __init__(self, state_dir: str | Path, context_state: Any | None = None, key: str = "pflower") -> None:
+    def __init__(self, state_dir: str | Path, context_state: Any | None = None, key: str = "pflower",
+                 checkpoint_every: int = 1) -> None:
         self.dir = Path(state_dir)
         self.context_state = context_state
         self.key = key
+        self.checkpoint_every = int(checkpoint_every)
+
+    # ---------------------------------------------------------------- versions on disk
+    def path_for(self, server_round: int) -> Path:
+        return self.dir / f"state-r{int(server_round):06d}.npz"
 
     @property
     def path(self) -> Path:
-        return self.dir / STATE_FILE
+        """The newest version on disk (or the legacy file name when there is none)."""
+        versions = self.versions()
+        return versions[max(versions)] if versions else self.dir / STATE_FILE
 
-    def load(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Return (arrays, meta); empty when this client has no state yet."""
-        cached = self._from_context()
+    def versions(self) -> dict[int, Path]:
+        """Saved versions: server round -> file."""
+        if not self.dir.is_dir():
+            return {}
+        out = {}
+        for p in self.dir.iterdir():
+            m = VERSION_RE.match(p.name)
+            if m:
+                out[int(m.group(1))] = p
+        return out
+
+    def _usable(self, rnd: int, path: Path, resumed_from: int | None, attempt: str | None) -> bool:
+        if resumed_from is None or rnd <= resumed_from:
+            return True
+        return attempt is not None and str(read_meta(path).get("attempt")) == str(attempt)
+
+    def load(self, max_round: int | None = None, resumed_from: int | None = None,
+             attempt: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Return (arrays, meta) of the newest usable version (see the module docstring);
+        empty when there is none. ``None`` arguments mean "no restriction"."""
+        cached = self._from_context(max_round, attempt)
         if cached is not None:
             return cached
-        if not self.path.exists():
-            return {}, {}
-        arrays, meta = load_arrays_file(self.path)
-        self._to_context(arrays, meta)
-        return arrays, meta
+        versions = self.versions()
+        for rnd in sorted(versions, reverse=True):
+            if max_round is not None and rnd > max_round:
+                continue
+            if not self._usable(rnd, versions[rnd], resumed_from, attempt):
+                continue
+            arrays, meta = load_arrays_file(versions[rnd])
+            self._to_context(arrays, meta)
+            return arrays, meta
+        legacy = self.dir / STATE_FILE
+        if not versions and resumed_from is None and legacy.exists():
+            arrays, meta = load_arrays_file(legacy)
+            return arrays, meta
+        return {}, {}
 
-    def save(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        save_arrays_file(self.path, arrays, meta)
+    def save(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], server_round: int | None = None,
+             attempt: str | None = None) -> Path:
+        """Save the state reached after ``server_round`` (default: ``meta['last_round']``, else
+        one past the newest version) and prune old versions."""
+        if server_round is None:
+            server_round = int(meta.get("last_round", max(self.versions(), default=0) + 1))
+        meta = {**meta, "round": int(server_round), "attempt": None if attempt is None else str(attempt)}
+        path = self.path_for(server_round)
+        save_arrays_file(path, arrays, meta)
         self._to_context(arrays, meta)
+        self.prune(int(server_round))
+        return path
+
+    def prune(self, server_round: int) -> None:
+        """Delete versions after ``server_round`` and the ones no resume can need."""
+        versions = self.versions()
+        k = self.checkpoint_every
+        floor = ((server_round - 1) // k) * k if k > 0 else server_round - 1
+        older = [r for r in versions if r <= floor]
+        keep = {r for r in versions if floor < r <= server_round}
+        if older:
+            keep.add(max(older))
+        for rnd, path in versions.items():
+            if rnd not in keep:
+                path.unlink(missing_ok=True)
+                path.with_suffix(".json").unlink(missing_ok=True)
 
     # context.state mirror ---------------------------------------------------------
-    def _from_context(self) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    def _from_context(self, max_round: int | None, attempt: str | None
+                      ) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
         if self.context_state is None:
             return None
         from flwr.app import ArrayRecord, ConfigRecord
@@ -60,10 +140,16 @@ class ClientStateStore:
             return None
         rec: ArrayRecord = self.context_state.array_records[arr_key]
         meta_rec: ConfigRecord = self.context_state.config_records[meta_key]
-        meta = json.loads(str(meta_rec["json"]))
-        if meta.get("state_dir") != str(self.dir):  # another run / state dir: use disk
+        cached = json.loads(str(meta_rec["json"]))
+        if cached.get("state_dir") != str(self.dir):  # another run / state dir: use disk
             return None
-        return {k: v.numpy() for k, v in rec.items()}, meta.get("meta", {})
+        meta = cached.get("meta", {})
+        rnd = meta.get("round")
+        if max_round is not None and (rnd is None or int(rnd) > max_round):
+            return None
+        if attempt is not None and meta.get("attempt") not in (None, str(attempt)):
+            return None
+        return {k: v.numpy() for k, v in rec.items()}, meta
 
     def _to_context(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         if self.context_state is None:

@@ -97,8 +97,18 @@ class ClientTrainer:
         return None
 
     def optim(self, rnd: ClientRound) -> OptimConfig:
-        decay = float(self.cfg.train.lr_decay) ** max(0, rnd.server_round - 1)
-        return OptimConfig.from_cfg(self.cfg.train, lr_scale=decay)
+        train = self.cfg.train
+        schedule = str(train.get("lr_schedule", "exp"))
+        if schedule not in ("exp", "step"):
+            raise ValueError(f"train.lr_schedule must be exp (lr * lr_decay^(round-1)) or step, "
+                             f"got {schedule!r}")
+        if schedule == "step":
+            scale = step_lr_scale(rnd.server_round, int(self.cfg.rounds),
+                                  list(train.get("lr_milestones", [0.5, 0.75])),
+                                  float(train.get("lr_gamma", 0.1)))
+        else:
+            scale = float(train.lr_decay) ** max(0, rnd.server_round - 1)
+        return OptimConfig.from_cfg(train, lr_scale=scale)
 
     def load_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
         """The model this client trains: the payload, overlaid with its private keys."""
@@ -150,6 +160,19 @@ class ClientTrainer:
         return out
 
 
+def step_lr_scale(server_round: int, total_rounds: int, milestones: list[float], gamma: float) -> float:
+    """Step decay (``train.lr_schedule: step``; FedBABU's schedule): the lr is multiplied by
+    ``gamma`` once for every milestone m (a fraction of ``total_rounds``) that round
+    ``server_round`` (1-based) is past, i.e. rounds r > floor(m * total_rounds) are decayed.
+    With milestones [0.5, 0.75] and R rounds this is the authors' rule "lr *= 0.1 after
+    rounds R//2 and 3R//4" (a milestone at round 0 never fires; equal ones fire once)."""
+    bad = [m for m in milestones if not 0 < float(m) < 1]
+    if bad:
+        raise ValueError(f"train.lr_milestones must be fractions of the rounds in (0, 1), got {bad}")
+    steps = {int(float(m) * total_rounds) for m in milestones}  # coinciding milestones decay once
+    return float(gamma) ** sum(1 for s in steps if server_round > s >= 1)
+
+
 def _prefixed_eval(model: nn.Module, rnd: ClientRound, prefix: str) -> dict[str, float]:
     test = evaluate(model, rnd.data.test, rnd.device)
     val = evaluate(model, rnd.data.val, rnd.device)
@@ -192,9 +215,9 @@ def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = Fals
             out[f"ft_acc_e{epoch}"] = evaluate(model, rnd.data.test, rnd.device)["accuracy"]
         if epoch == target:
             out.update(_prefixed_eval(model, rnd, "ft_"))
-        if epoch == last or optimizer is None:
-            if epoch >= target:
-                break
+        if epoch == last:
+            break
+        if optimizer is None:  # nothing to fine-tune: every epoch count gives the same model
             continue
         train_epochs(model, rnd.data.train, opt, rnd.device, seed=rnd.seed + epoch,
                      trainable=trainable, optimizer=optimizer)

@@ -53,7 +53,9 @@ class ClientSplit:
     train: Dataset
     val: Dataset
     test: Dataset
-    train_indices: np.ndarray = field(repr=False)
+    train_ids: np.ndarray = field(repr=False)   # global sample ids (unique across domains)
+    val_ids: np.ndarray = field(repr=False)
+    test_ids: np.ndarray = field(repr=False)
 
     @property
     def num_train(self) -> int:
@@ -286,6 +288,8 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
 
     # One pool per domain: (dataset of transformed samples, labels).
     pools: list[tuple[Dataset, np.ndarray]] = []
+    # global_ids[d][i] = id of pool d's sample i in the source (unique over all domains)
+    global_ids: list[np.ndarray] = []
     if source == "imagefolder":
         folders, classes = _imagefolder_domains(
             str(cfg.get("root", "")), domains, int(cfg.get("image_size", 64))
@@ -294,6 +298,8 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         size = int(cfg.get("image_size", 64))
         input_shape = (3, size, size)
         pools = [(f, f.targets) for f in folders]
+        offsets = np.cumsum([0] + [len(f) for f in folders])
+        global_ids = [np.arange(len(f)) + offsets[d] for d, f in enumerate(folders)]
     else:
         if source == "digits":
             x, y = _load_digits()
@@ -319,7 +325,9 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         for d, (name, idx) in enumerate(zip(domains, domain_idx, strict=True)):
             xd = apply_domain_transform(x[idx], name, seed=rng_seed + d)
             pools.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
+            global_ids.append(np.asarray(idx) + (d * len(y) if share else 0))
 
+    big, factor = _imbalance(cfg, len(domains) * per_domain)
     clients: dict[str, ClientSplit] = {}
     new_clients: dict[str, ClientSplit] = {}
     for d, (name, (pool, labels)) in enumerate(zip(domains, pools, strict=True)):
@@ -337,14 +345,18 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
             raise DatasetError(f"domain {name!r}: {err}") from err
         cap = int(cfg.get("samples_per_client", 0))
         for k, part in enumerate(parts):
-            if cap and len(part) > cap:
-                part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:cap])
+            is_big = k < per_domain and d * per_domain + k == big
+            limit = cap * factor if (cap and is_big) else cap
+            if limit and len(part) > limit:
+                part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:limit])
             tr, va, te = split_train_val_test(
                 part,
                 float(cfg.get("val_fraction", 0.15)),
                 float(cfg.get("test_fraction", 0.2)),
                 seed=rng_seed + 1000 * d + k,
             )
+            if big >= 0 and not cap and not is_big:  # others keep 1/factor of their train split
+                tr = tr[: max(1, len(tr) // factor)]
             if k < per_domain:
                 cid = str(d * per_domain + k)
                 target = clients
@@ -357,7 +369,9 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
                 train=Subset(pool, tr.tolist()),
                 val=Subset(pool, va.tolist()),
                 test=Subset(pool, te.tolist()),
-                train_indices=tr,
+                train_ids=global_ids[d][tr],
+                val_ids=global_ids[d][va],
+                test_ids=global_ids[d][te],
             )
     return FederatedData(
         name=str(cfg.get("name", source)),
@@ -366,6 +380,27 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         clients=clients,
         new_clients=new_clients,
     )
+
+
+def _imbalance(cfg: Mapping[str, Any], num_participating: int) -> tuple[int, int]:
+    """(imbalanced_client, imbalance_factor); -1 = balanced (FEDORA's imbalanced setting).
+
+    With ``imbalanced_client: i`` (a participating client index) that client gets
+    ``imbalance_factor`` times the data of the others: with ``samples_per_client`` set,
+    its pool cap is ``samples_per_client * imbalance_factor`` (train, val and test grow;
+    limited by what its partition holds); without a cap, every other client keeps only
+    ``1 / imbalance_factor`` of its train split (val and test unchanged).
+    """
+    big = int(cfg.get("imbalanced_client", -1))
+    factor = int(cfg.get("imbalance_factor", 1))
+    if big < -1 or big >= num_participating:
+        raise DatasetError(
+            f"dataset.imbalanced_client={big} is not a participating client index "
+            f"(0..{num_participating - 1}), or -1 for the balanced setting"
+        )
+    if big >= 0 and factor < 1:
+        raise DatasetError(f"dataset.imbalance_factor must be >= 1, got {factor}")
+    return big, factor
 
 
 def label_histogram(ds: Dataset, num_classes: int) -> np.ndarray:

@@ -69,6 +69,8 @@ __all__ = [
     "consistency_loss",
     "reset_consistency_state",
     "adaptation_mode",
+    "build_fdse_model",
+    "FDSE_MODELS",
     "SHARED",
     "PERSONAL",
     "LOCAL",
@@ -232,6 +234,10 @@ class FDSEAlexNet(nn.Module):
     ``stem="small"`` for 8x8 ... 32x32 inputs: first conv 3x3/stride 1/padding 1 and padded
     max-pools ``MaxPool(3,2,padding=1)`` so no spatial size collapses to 0; everything else
     as in the paper. ``stem=None`` picks "small" if ``input_size`` < 64, else "paper".
+    ``stem="alexnet-bn-small"`` copies the small-input layout of
+    :class:`learning.models.AlexNetBN` (conv1 and conv2 3x3/stride 1/padding 1, no
+    max-pools; use ``pool_size=2``) so FDSE and the plain AlexNet-BN baselines can be
+    compared layer for layer on tiny images (e.g. 8x8 digits).
     ``width`` scales all conv channels and the hidden width (``hidden``, paper 1024; FedBN's
     AlexNet uses 4096). ``conv_padding`` is the padding of conv3-5 (paper 1; the authors'
     code leaves it at 0). Other options are passed to every block.
@@ -259,8 +265,8 @@ class FDSEAlexNet(nn.Module):
             raise ValueError(f"width must be > 0, got {width}")
         if stem is None:
             stem = "small" if (input_size is not None and input_size < 64) else "paper"
-        if stem not in ("paper", "small"):
-            raise ValueError(f"stem must be 'paper' or 'small', got {stem!r}")
+        if stem not in ("paper", "small", "alexnet-bn-small"):
+            raise ValueError(f"stem must be 'paper', 'small' or 'alexnet-bn-small', got {stem!r}")
         self.stem = stem
         c1, c2, c3, c4, c5 = (max(1, round(c * width)) for c in (64, 192, 384, 256, 256))
         h = max(1, round(hidden * width))
@@ -270,19 +276,25 @@ class FDSEAlexNet(nn.Module):
 
             def pool() -> nn.Module:
                 return nn.MaxPool2d(kernel_size=3, stride=2)
-        else:
+        elif stem == "small":
             conv1 = DSEConv(in_channels, c1, 3, 1, 1, dw_size=dw_size, **kw)
 
             def pool() -> nn.Module:
                 return nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        else:  # "alexnet-bn-small": the layout of learning.models.AlexNetBN for small inputs
+            conv1 = DSEConv(in_channels, c1, 3, 1, 1, dw_size=dw_size, **kw)
 
+            def pool() -> nn.Module:
+                return nn.Identity()
+
+        k2, p2 = (3, 1) if stem == "alexnet-bn-small" else (5, 2)
         p = conv_padding
         self.features = nn.Sequential(
             OrderedDict(
                 [
                     ("conv1", conv1),
                     ("maxpool1", pool()),
-                    ("conv2", DSEConv(c1, c2, 5, 1, 2, dw_size=dw_size, **kw)),
+                    ("conv2", DSEConv(c1, c2, k2, 1, p2, dw_size=dw_size, **kw)),
                     ("maxpool2", pool()),
                     ("conv3", DSEConv(c2, c3, 3, 1, p, dw_size=dw_size, **kw)),
                     ("conv4", DSEConv(c3, c4, 3, 1, p, dw_size=dw_size, **kw)),
@@ -572,3 +584,55 @@ def adaptation_mode(model: nn.Module, trainable: Iterable[str] = (PERSONAL,)) ->
     for _, block in dse_blocks(model):
         block.dfe_bn.eval()
     return params
+
+
+# ------------------------------------------------------------------------- builder
+FDSE_MODELS = ("fdse-alexnet", "fdse-resnet18")
+
+
+def build_fdse_model(
+    model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int], num_classes: int
+) -> nn.Module:
+    """Build an FDSE model from its ``conf/model/`` entry (called by ``learning.models.build_model``).
+
+    ``fdse-alexnet``: :class:`FDSEAlexNet` with ``G``, ``width``, ``hidden``, ``dw_size``,
+    ``stem`` (``null`` = by input size), ``pool_size``, ``dse_activation``, ``out_bias``,
+    ``conv_padding`` from the config (defaults = the paper's). ``fdse-resnet18``: the
+    torchvision ResNet-18 of ``learning.models`` (same ``small_input``/``pretrained_path``
+    options) converted with :func:`convert_resnet18_to_fdse` (``G``, ``dw_size``,
+    ``convert_downsample``, ``dse_activation``, ``out_bias``); its head stays shared.
+    """
+    name = str(model_cfg.get("name"))
+    c, h, _ = input_shape
+    g = int(model_cfg.get("G", 2))
+    dw = int(model_cfg.get("dw_size", 3))
+    act = str(model_cfg.get("dse_activation", "relu"))
+    out_bias = bool(model_cfg.get("out_bias", False))
+    if name == "fdse-alexnet":
+        stem = model_cfg.get("stem", None)
+        return FDSEAlexNet(
+            num_classes,
+            in_channels=c,
+            G=g,
+            width=float(model_cfg.get("width", 1.0)),
+            hidden=int(model_cfg.get("hidden", 1024)),
+            dw_size=dw,
+            stem=None if stem in (None, "", "auto") else str(stem),
+            input_size=h,
+            pool_size=int(model_cfg.get("pool_size", 6)),
+            dse_activation=act,
+            out_bias=out_bias,
+            conv_padding=int(model_cfg.get("conv_padding", 1)),
+        )
+    if name == "fdse-resnet18":
+        from learning.models import _resnet18
+
+        model = _resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
+                          bool(model_cfg.get("small_input", True)))
+        convert_resnet18_to_fdse(
+            model.body, G=g, dw_size=dw,
+            convert_downsample=bool(model_cfg.get("convert_downsample", True)),
+            dse_activation=act, out_bias=out_bias,
+        )
+        return model
+    raise ValueError(f"build_fdse_model: unknown FDSE model {name!r}; valid: {', '.join(FDSE_MODELS)}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet")
+MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet", "fdse-resnet18")
 
 
 class ModelError(ValueError):
@@ -204,7 +204,7 @@ def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
                          bool(model_cfg.get("small_input", True)))
     if name == "mlp":
         return MLP(c * h * w, num_classes, list(model_cfg.get("hidden", [128, 128])))
-    if name == "fdse-alexnet":
+    if name in ("fdse-alexnet", "fdse-resnet18"):
         from learning.fdse_model import build_fdse_model
 
         return build_fdse_model(model_cfg, input_shape, num_classes)

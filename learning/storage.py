@@ -1,9 +1,14 @@
 """Durable named-array files: atomic writes, SHA-256 checksums, no pickle.
 
-Used for client private state and server checkpoints. A file ``X.npz`` holds the arrays
-(``np.savez``, read back with ``allow_pickle=False``) and ``X.json`` beside it holds the
-npz's SHA-256 and JSON metadata; a truncated or modified file is detected and reported,
-never silently loaded.
+Used for client private state and server checkpoints. A file ``X.npz`` is one
+self-contained, atomically replaced file (``np.savez``, read back with
+``allow_pickle=False``): the arrays plus a ``__pflower_meta__`` member holding JSON
+metadata and the SHA-256 of the arrays' names, dtypes, shapes and bytes. Because the
+file is replaced with one ``os.replace``, a process killed while writing leaves either
+the old or the new file, never a mix. ``X.json`` beside it is a human-readable copy of
+the metadata with the file's SHA-256 (files written before the embedded digest existed
+are verified against it). A truncated or modified file is detected and reported
+(:class:`StateCorruptError`), never silently loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import io
 import json
 import os
 import tempfile
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,36 +52,96 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def save_arrays_file(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-    """Write arrays (npz) then metadata with the npz checksum (json), both atomically."""
+META_MEMBER = "__pflower_meta__"
+
+
+def arrays_digest(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> str:
+    """SHA-256 over the sorted names, dtypes, shapes and raw bytes of ``arrays`` and the
+    canonical JSON of ``meta``."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def save_arrays_file(path: Path, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Write arrays + metadata + digest as one atomically replaced npz, then the json copy."""
+    path = Path(path)
+    if META_MEMBER in arrays:
+        raise ValueError(f"{META_MEMBER!r} is a reserved array name")
+    plain = {k: np.asarray(v) for k, v in arrays.items()}
+    if any(a.dtype == object for a in plain.values()):
+        raise TypeError("object arrays cannot be stored (they would need pickle)")
+    header = {"meta": meta, "sha256": arrays_digest(plain, meta)}
     buf = io.BytesIO()
-    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    np.savez(buf, **plain, **{META_MEMBER: np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)})
     atomic_write_bytes(path, buf.getvalue())
-    record = {"sha256": _sha256(path), "keys": sorted(arrays), "meta": meta}
+    record = {"sha256": _sha256(path), "keys": sorted(plain), "meta": meta}
     atomic_write_bytes(path.with_suffix(".json"), json.dumps(record, indent=1).encode())
+
+
+def _open_npz(path: Path) -> Any:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise StateCorruptError(f"{path} is truncated or not an array file ({err}); delete it or "
+                                "restore it from a backup") from err
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The metadata of a file written by :func:`save_arrays_file`, without verifying the
+    arrays (cheap; use :func:`load_arrays_file` before trusting the arrays)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no state at {path}")
+    with _open_npz(path) as z:
+        if META_MEMBER in z.files:
+            try:
+                return dict(json.loads(z[META_MEMBER].tobytes().decode())["meta"])
+            except Exception as err:
+                raise StateCorruptError(f"{path}: unreadable metadata ({err})") from err
+    sidecar = path.with_suffix(".json")
+    if not sidecar.is_file():
+        raise StateCorruptError(f"{path} has no embedded metadata and no {sidecar.name}")
+    return dict(json.loads(sidecar.read_text()).get("meta", {}))
 
 
 def load_arrays_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read and verify a file written by :func:`save_arrays_file`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no state at {path}")
+    with _open_npz(path) as z:
+        try:
+            members = {k: z[k] for k in z.files}
+        except Exception as err:  # zip CRC errors, truncated members, bad headers
+            raise StateCorruptError(f"{path} is truncated or corrupt ({err}); delete it or "
+                                    "restore it from a backup") from err
+    if META_MEMBER in members:
+        try:
+            header = json.loads(members.pop(META_MEMBER).tobytes().decode())
+            meta, digest = dict(header["meta"]), str(header["sha256"])
+        except Exception as err:
+            raise StateCorruptError(f"{path}: unreadable metadata ({err})") from err
+        if arrays_digest(members, meta) != digest:
+            raise StateCorruptError(f"{path} fails its checksum (modified or damaged); delete it or "
+                                    "restore it from a backup")
+        return members, meta
+    # files written before the digest was embedded: verify against the json sidecar
     meta_path = path.with_suffix(".json")
-    if not path.is_file() or not meta_path.is_file():
-        raise FileNotFoundError(f"no state at {path} (expected {path.name} and {meta_path.name})")
+    if not meta_path.is_file():
+        raise StateCorruptError(f"{path} has no embedded checksum and no {meta_path.name}")
     try:
         record = json.loads(meta_path.read_text())
     except json.JSONDecodeError as err:
         raise StateCorruptError(f"{meta_path} is not valid JSON ({err}); delete it to start fresh") from err
-    digest = _sha256(path)
-    if digest != record.get("sha256"):
-        raise StateCorruptError(
-            f"{path} fails its checksum (truncated or modified); delete {path.parent} to start "
-            "this client fresh, or restore it from a backup"
-        )
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (ValueError, OSError) as err:
-        raise StateCorruptError(f"{path} cannot be read as arrays: {err}") from err
-    return arrays, record.get("meta", {})
+    if _sha256(path) != record.get("sha256"):
+        raise StateCorruptError(f"{path} fails its checksum (truncated or modified); delete it or "
+                                "restore it from a backup")
+    return members, record.get("meta", {})
 
 
 def atomic_write_text(path: Path, text: str) -> None:

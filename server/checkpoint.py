@@ -1,19 +1,26 @@
 """Server checkpoints: everything needed to resume a run, written atomically each round.
 
 ``<run>/checkpoint/server.npz`` holds every array group of the strategy (global model,
-per-client personal arrays, any method state) as ``<group>|<name>`` entries;
-``server.json`` beside it holds the npz's SHA-256 plus JSON metadata: the round, the
-strategy and model names (a checkpoint from another strategy or model is refused), and
-the strategy's RNG and scalar state. Nothing is pickled.
+per-client personal arrays, any method state) as ``<group>|<name>`` entries, plus the
+server process's global RNG states (group ``_rng``: torch; numpy and Python ``random`` in
+the metadata), and embedded JSON metadata with a SHA-256 over everything: the round, the
+strategy, model, dataset, seed and number of clients (a checkpoint from another
+configuration is refused), and the strategy's own RNG and scalar state
+(``strategy_state``). The file is replaced atomically, so a run killed while writing
+keeps the previous checkpoint; ``server.json`` beside it is a readable copy of the
+metadata. Nothing is pickled (``np.load(..., allow_pickle=False)``).
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from learning.params import NDArrays
-from learning.storage import StateCorruptError, load_arrays_file, save_arrays_file
+from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 
 CHECKPOINT = Path("checkpoint") / "server.npz"
 SEP = "|"
@@ -40,14 +47,70 @@ def load_checkpoint(run_dir: Path, expect: dict[str, Any]) -> tuple[int, dict[st
         flat, meta = load_arrays_file(path)
     except StateCorruptError as err:
         raise CheckpointError(f"checkpoint {path} is corrupt: {err}") from err
+    _check_identity(path, meta, expect)
+    groups: dict[str, NDArrays] = {g: {} for g in meta.get("groups", [])}
+    for name, arr in flat.items():
+        g, _, k = name.partition(SEP)
+        groups.setdefault(g, {})[k] = arr
+    return int(meta["round"]), groups, meta
+
+
+def _check_identity(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
     for key, value in expect.items():
         if meta.get(key) != value:
             raise CheckpointError(
                 f"checkpoint {path} was written with {key}={meta.get(key)!r}, this run has "
                 f"{key}={value!r}; resume with the same {key} or start a new run"
             )
-    groups: dict[str, NDArrays] = {g: {} for g in meta.get("groups", [])}
-    for name, arr in flat.items():
-        g, _, k = name.partition(SEP)
-        groups.setdefault(g, {})[k] = arr
-    return int(meta["round"]), groups, meta
+
+
+def check_checkpoint(run_dir: Path, expect: dict[str, Any], rounds: int | None = None) -> int:
+    """Verify (checksum and identity) the checkpoint of ``run_dir`` before anything starts;
+    returns its round. Raises :class:`CheckpointError` with a message for the user."""
+    path = Path(run_dir) / CHECKPOINT
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}; was the run started with checkpoint_every > 0?")
+    try:
+        _, meta = load_arrays_file(path)
+    except StateCorruptError as err:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {err}") from err
+    _check_identity(path, meta, expect)
+    last = int(meta["round"])
+    if rounds is not None and last > rounds:
+        raise CheckpointError(f"checkpoint {path} is at round {last}, beyond rounds={rounds}; "
+                              f"resume with rounds >= {last}")
+    return last
+
+
+def checkpoint_round(run_dir: Path) -> int | None:
+    """The round of ``run_dir``'s checkpoint (unverified), or None if there is none."""
+    path = Path(run_dir) / CHECKPOINT
+    try:
+        return int(read_meta(path)["round"])
+    except (FileNotFoundError, StateCorruptError, KeyError, ValueError):
+        return None
+
+
+def rng_state_groups() -> tuple[NDArrays, dict[str, Any]]:
+    """The server process's global RNG states (torch as an array; numpy and Python's
+    ``random`` as JSON), so methods that draw from them resume identically."""
+    import torch
+
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    meta = {"numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "python": [py_version, list(py_internal), py_gauss]}
+    return {"torch": torch.get_rng_state().numpy().copy()}, meta
+
+
+def restore_rng_state(arrays: NDArrays, meta: dict[str, Any]) -> None:
+    import torch
+
+    if "torch" in arrays:
+        torch.set_rng_state(torch.from_numpy(np.asarray(arrays["torch"], dtype=np.uint8).copy()))
+    if "numpy" in meta:
+        name, keys, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "python" in meta:
+        version, internal, gauss = meta["python"]
+        random.setstate((version, tuple(internal), gauss))

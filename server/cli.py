@@ -3,6 +3,7 @@
     pflower run [KEY=VALUE ...]          # Hydra overrides, e.g. strategy=fedbn seed=1 train.lr=0.01
     pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
+    pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
 
 ``run`` validates the config before anything starts, runs the Flower simulation through
 ``flwr run`` against a private SuperLink, stops every process it started, and exits
@@ -71,7 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"client-resources-num-gpus={_num(args.num_gpus)}")
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}")
     try:
-        with simulation_superlink() as (_, flwr_home):
+        with simulation_superlink() as (link, flwr_home):
+            print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
             code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation)
     except LaunchError as err:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=float, default=1.0)
     s.add_argument("--num-gpus", type=float, default=0.0)
     s.set_defaults(func=cmd_sweep)
+    from server.deploy import add_parser as add_deploy_parser
+
+    add_deploy_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

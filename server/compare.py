@@ -5,8 +5,9 @@ standard deviation over its seeds of the final personalised accuracy (mean over
 clients and worst client), the global model's accuracy where there is one, and the
 best-by-validation round's accuracy. If a ``local`` group with the same dataset, model
 and seeds is present, FEDORA's relative accuracy (R-Acc: mean over clients of
-acc / acc_local) and positive transfer ratio (PTR: share of clients whose accuracy beats
-Local's) are added, computed per seed and client against the Local run with the same seed.
+(acc - acc_local) / acc_local, so 0 = as good as Local) and positive transfer ratio (PTR:
+share of clients whose accuracy beats Local's) are added, computed per seed and client
+against the Local run with the same seed.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any]) -> tuple[float, float]:
-    """(R-Acc, PTR) of one run against the Local run of the same seed and splits."""
+    """(R-Acc, PTR) of one run against the Local run of the same seed and splits (FEDORA,
+    KDD 2023): R-Acc = mean_k (acc_k - acc_k^local) / acc_k^local, PTR = mean_k
+    [acc_k > acc_k^local]."""
     common = sorted(set(run["clients"]) & set(local["clients"]))
     if not common:
         raise ValueError(f"runs {run['_dir']} and {local['_dir']} share no clients")
     ratios, wins = [], []
     for cid in common:
         a, b = float(run["clients"][cid]["accuracy"]), float(local["clients"][cid]["accuracy"])
-        ratios.append(a / b if b > 0 else (1.0 if a == 0 else float("inf")))
+        ratios.append((a - b) / b if b > 0 else (0.0 if a == 0 else float("inf")))
         wins.append(a > b)
     return float(np.mean(ratios)), float(np.mean(wins))
 

@@ -17,31 +17,40 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from server.checkpoint import load_checkpoint, save_checkpoint
+from server.checkpoint import CheckpointError, load_checkpoint, rng_state_groups, restore_rng_state, save_checkpoint
 from server.results import RunRecorder
 from strategies.base import PersonalizedStrategy
 from strategies.protocol import to_record
 
 
-def checkpoint_identity(cfg: DictConfig) -> dict[str, Any]:
-    return {"strategy": str(cfg.strategy.name), "model": str(cfg.model.name),
-            "dataset": str(cfg.dataset.name), "seed": int(cfg.seed)}
+def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
+    """What a checkpoint must agree on to be resumed by this configuration."""
+    ident: dict[str, Any] = {"strategy": str(cfg.strategy.name), "model": str(cfg.model.name),
+                             "dataset": str(cfg.dataset.name), "seed": int(cfg.seed)}
+    if num_clients is not None:
+        ident["num_clients"] = int(num_clients)
+    return ident
 
 
 def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
                    recorder: RunRecorder) -> int:
     """Run rounds ``start..cfg.rounds``; returns the last completed round."""
     start = 1
+    rounds = int(cfg.rounds)
+    identity = checkpoint_identity(cfg, len(strategy.client_ids))
     if cfg.resume:
-        last, groups, meta = load_checkpoint(recorder.dir, checkpoint_identity(cfg))
+        last, groups, meta = load_checkpoint(recorder.dir, identity)
+        if last > rounds:
+            raise CheckpointError(f"the checkpoint in {recorder.dir} is at round {last}, beyond rounds={rounds}")
+        restore_rng_state(groups.pop("_rng", {}), meta.get("rng_state", {}))
         strategy.load_state_arrays(groups)
         strategy.load_state_meta(meta.get("strategy_state", {}))
         recorder.truncate_to(last)
         start = last + 1
         log(INFO, "resumed %s from the checkpoint of round %d", recorder.dir, last)
     strategy.summary()
-    rounds = int(cfg.rounds)
-    base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds}
+    # resume-round tells clients which of their saved state versions are valid
+    base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds, "resume-round": start - 1}
     for rnd in range(start, rounds + 1):
         t0 = time.monotonic()
         messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
@@ -73,6 +82,7 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
             rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
             f"{ev['accuracy_mean']:.4f}" if ev else "-", f"{ev['accuracy_min']:.4f}" if ev else "-")
         if int(cfg.checkpoint_every) > 0 and (rnd % int(cfg.checkpoint_every) == 0 or rnd == rounds):
-            save_checkpoint(recorder.dir, rnd, strategy.state_arrays(),
-                            {**checkpoint_identity(cfg), "strategy_state": strategy.state_meta()})
+            rng_arrays, rng_meta = rng_state_groups()
+            save_checkpoint(recorder.dir, rnd, {**strategy.state_arrays(), "_rng": rng_arrays},
+                            {**identity, "strategy_state": strategy.state_meta(), "rng_state": rng_meta})
     return rounds

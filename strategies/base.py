@@ -69,6 +69,15 @@ class RoundLog:
     bytes_up: dict[str, int] = field(default_factory=dict)
 
 
+def client_sort_key(cid: str) -> tuple[int, int, str]:
+    """Order client ids as numbers ("2" < "10"), held-out "new-k" after, other labels last."""
+    if cid.isdigit():
+        return (0, int(cid), "")
+    if cid.startswith("new-") and cid[4:].isdigit():
+        return (1, int(cid[4:]), "")
+    return (2, 0, cid)
+
+
 def conform_scalars(arrays: NDArrays, reference: Mapping[str, np.ndarray]) -> NDArrays:
     """Flower ships 0-d arrays (e.g. BN's num_batches_tracked) as shape (1,): restore them."""
     return {k: (a.reshape(()) if k in reference and reference[k].ndim == 0 and a.shape == (1,) else a)
@@ -148,6 +157,8 @@ class PersonalizedStrategy(Strategy):
         self._sent_eval: list[int] = []
         self.eval_failed: dict[str, str] = {}
         self.model, self.cfg, self.data = model, cfg, data
+        # seconds to wait for identification (QUERY) replies; bounded like a round
+        self.query_timeout = float(cfg.get("round_timeout", 600.0)) if cfg is not None else 600.0
 
     # ------------------------------------------------------------------ method hooks
     def payload_for(self, client_id: str | None) -> NDArrays:
@@ -181,9 +192,36 @@ class PersonalizedStrategy(Strategy):
             self.name, self.fraction_train, self.min_train_clients, self.weighted)
         log(INFO, "\t└──> %d clients expected: %s", len(self.client_ids), ", ".join(self.client_ids))
 
+    # Clients that were sampled but delivered no valid update keep their server-side
+    # ``personal`` arrays unchanged (restored after ``aggregate_updates``). A method whose
+    # rule must touch absent clients' personal state sets this to False.
+    keep_absent_personal: ClassVar[bool] = True
+
     # ------------------------------------------------------------------ nodes
+    def identify(self, grid: Grid, nodes: Iterable[int]) -> None:
+        """Learn the stable client id of nodes not seen yet with one QUERY message each
+        (bounded by the round timeout). Node ids are random per run and change when a
+        SuperNode restarts or a run is resumed; without this, the first round (and the
+        first round after a resume) could neither sample by client id nor send each client
+        its personal arrays."""
+        unknown = [n for n in nodes if n not in self.node_to_client]
+        if not unknown:
+            return
+        messages = [Message(content=RecordDict({CONFIG_KEY: ConfigRecord({})}), message_type=MessageType.QUERY,
+                            dst_node_id=n) for n in unknown]
+        for msg in grid.send_and_receive(messages, timeout=self.query_timeout):
+            if msg.has_error():
+                log(WARNING, "node %s did not identify itself: %s", msg.metadata.src_node_id, msg.error.reason)
+                continue
+            metrics = msg.content.metric_records.get(METRICS_KEY)
+            try:
+                self.node_to_client[msg.metadata.src_node_id] = decode_client_id(dict(metrics.items()) if metrics else {})
+            except (KeyError, ValueError) as err:
+                log(WARNING, "node %s sent an unusable identification: %s", msg.metadata.src_node_id, err)
+
     def _connected_nodes(self, grid: Grid) -> list[int]:
-        """Wait (bounded) for the expected number of nodes, then return those connected."""
+        """Wait (bounded) for the expected number of nodes, identify them, and return them
+        ordered by stable client id (nodes that could not be identified last)."""
         deadline = time.monotonic() + self.wait_for_clients
         nodes = list(grid.get_node_ids())
         while len(nodes) < len(self.client_ids) and time.monotonic() < deadline:
@@ -195,7 +233,8 @@ class PersonalizedStrategy(Strategy):
                 f"{self.wait_for_clients:.0f}s (min_train_clients={self.min_train_clients}); "
                 "start more SuperNodes or lower min_train_clients"
             )
-        return sorted(nodes)
+        self.identify(grid, nodes)
+        return sorted(nodes, key=lambda n: (n not in self.node_to_client, client_sort_key(self._label(n)), n))
 
     def _message(self, node_id: int, payload: NDArrays, config: Mapping[str, Any],
                  message_type: str) -> Message:
@@ -210,7 +249,10 @@ class PersonalizedStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         nodes = self._connected_nodes(grid)
         k = max(self.min_train_clients, int(round(len(nodes) * self.fraction_train)))
-        sampled = sorted(self.rng.sample(nodes, min(k, len(nodes))))
+        # sample over the list ordered by client id, so the same seed picks the same clients
+        # in every run (node ids differ between runs)
+        sampled = self.rng.sample(nodes, min(k, len(nodes)))
+        sampled.sort(key=nodes.index)
         cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
         self.round_log = RoundLog(sampled=[self._label(n) for n in sampled])
         self._sent = {}
@@ -250,6 +292,12 @@ class PersonalizedStrategy(Strategy):
                 log(WARNING, "rejected the update of client %s: %s", cid, reason)
                 continue
             extra = {k: from_record(v) for k, v in msg.content.array_records.items() if k != ARRAYS_KEY}
+            bad = [f"{rk}/{k}" for rk, rec in extra.items() for k, a in rec.items()
+                   if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a))]
+            if bad:
+                self.round_log.rejected[cid] = f"array {bad[0]!r} contains NaN or Inf"
+                log(WARNING, "rejected the update of client %s: %s", cid, self.round_log.rejected[cid])
+                continue
             updates.append(ClientUpdate(
                 client_id=cid, node_id=node, arrays=arrays,
                 num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
@@ -260,6 +308,9 @@ class PersonalizedStrategy(Strategy):
         for node in sent_to:
             if node not in answered:
                 self.round_log.failed[self._label(node)] = "no reply within the round timeout"
+                log(WARNING, "client %s sent no reply within the round timeout", self._label(node))
+        # a fixed order (by client id, not arrival) keeps float sums reproducible
+        updates.sort(key=lambda u: client_sort_key(u.client_id))
         return updates
 
     def aggregate_train(self, server_round: int,
@@ -274,7 +325,17 @@ class PersonalizedStrategy(Strategy):
                 f"{self.min_train_clients}; missing or rejected: "
                 + (", ".join(f"{c} ({r})" for c, r in problems.items()) or "none sampled")
             )
+        absent = set(self.round_log.failed) | set(self.round_log.rejected)
+        kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
+                 for c in absent if c in self.personal} if self.keep_absent_personal else {})
         self.aggregate_updates(server_round, updates)
+        for cid in absent:
+            if not self.keep_absent_personal:
+                break
+            if cid in kept:
+                self.personal[cid] = kept[cid]
+            else:
+                self.personal.pop(cid, None)
         return to_record(self.global_arrays), MetricRecord(self.train_metrics(updates))
 
     def train_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
@@ -304,8 +365,13 @@ class PersonalizedStrategy(Strategy):
             if msg.has_error():
                 eval_failed[self._label(msg.metadata.src_node_id)] = msg.error.reason
                 continue
-            metrics = dict(msg.content.metric_records[METRICS_KEY].items())
-            cid = decode_client_id(metrics)
+            rec = msg.content.metric_records.get(METRICS_KEY)
+            metrics = dict(rec.items()) if rec is not None else {}
+            try:
+                cid = decode_client_id(metrics)
+            except (KeyError, ValueError) as err:
+                eval_failed[self._label(msg.metadata.src_node_id)] = f"unusable reply: {err}"
+                continue
             self.node_to_client[msg.metadata.src_node_id] = cid
             self.last_eval[cid] = {k: float(v) for k, v in metrics.items()}
         for n in self._sent_eval:

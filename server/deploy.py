@@ -1,0 +1,365 @@
+"""A real Flower deployment on this machine: one SuperLink, N SuperNodes, over gRPC.
+
+``pflower deploy`` starts ``flower-superlink`` in deployment mode (Fleet API ``grpc-rere``)
+and one ``flower-supernode`` per client, each in its own process group, each given its
+identity, data and state directory by ``--node-config``; submits one run per strategy with
+``flwr run . pflower --stream``; checks every run wrote a fresh ``summary.json``; and stops
+every process it started, also on failure, Ctrl-C or SIGTERM.
+
+Modes:
+- ``tls`` (default): a fresh CA and SuperLink certificate (``server/certs.py``), TLS on
+  the Fleet, Control and runtime APIs, and SuperNode authentication: the SuperLink runs
+  with ``--enable-supernode-auth``, each SuperNode's public key is registered with
+  ``flwr supernode register`` and the SuperNode signs in with
+  ``--auth-supernode-private-key``; a SuperNode whose key is not registered is refused.
+- ``insecure``: plain-text gRPC/HTTP, any SuperNode may join. Only when asked for.
+
+The node-config keys and container ports here are the single source of truth the
+``docker/compose*.yml`` files are checked against (``tests/test_docker_compose.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.launch import (
+    APP_DIR,
+    FEDERATION,
+    LaunchError,
+    SuperLink,
+    _exe,
+    _tail,
+    flower_env,
+    flwr_run,
+    free_port,
+    kill_group,
+    write_flwr_config,
+)
+
+# Node-config keys the ClientApp reads (client/app.py).
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "client-id", "state-dir", "data-root")
+# Ports used inside containers and in the README's multi-machine guide.
+FLEET_PORT = 9092      # Fleet API (gRPC grpc-rere): SuperNodes connect here
+CONTROL_PORT = 9093    # Control API (HTTP, 1.39): `flwr run` / `flwr supernode register`
+SUPERNODE_PORT = 9094  # each SuperNode's own runtime API (ClientApp processes; local only)
+MODES = ("tls", "insecure")
+
+
+def node_config(partition_id: int, num_partitions: int, state_dir: str | Path | None = None,
+                data_root: str | Path | None = None, client_id: str | None = None) -> str:
+    """The ``--node-config`` string for one SuperNode (TOML values: strings are quoted)."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is not in [0, {num_partitions})")
+    items: list[tuple[str, Any]] = [("partition-id", partition_id), ("num-partitions", num_partitions)]
+    if client_id:
+        items.append(("client-id", str(client_id)))
+    if state_dir:
+        items.append(("state-dir", str(state_dir)))
+    if data_root:
+        items.append(("data-root", str(data_root)))
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in items)
+
+
+def parse_node_config(text: str) -> dict[str, Any]:
+    """Parse a ``--node-config`` string exactly as ``flower-supernode`` does."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args([text]))
+
+
+def superlink_tls_args(certs: Path) -> list[str]:
+    """SuperLink flags for TLS on all its APIs plus SuperNode authentication."""
+    return ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth"]
+
+
+def supernode_command(superlink: str, config: str, runtime_port: int = SUPERNODE_PORT,
+                      root_certificates: Path | None = None, private_key: Path | None = None,
+                      runtime_host: str = "127.0.0.1") -> list[str]:
+    """``flower-supernode`` for one client: insecure unless ``root_certificates`` is given."""
+    cmd = [_exe("flower-supernode"), "--superlink", superlink]
+    cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
+    if private_key is not None:
+        cmd += ["--auth-supernode-private-key", str(private_key)]
+    return cmd + ["--node-config", config, "--host", runtime_host, "--port", str(runtime_port)]
+
+
+@dataclass
+class SuperNode:
+    """One ``flower-supernode`` in its own process group; restartable with the same config."""
+
+    index: int
+    command: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    def start(self) -> SuperNode:
+        self.starts += 1
+        with self.log_path.open("a") as log:
+            log.write(f"\n===== pflower: start #{self.starts}: {' '.join(self.command)}\n")
+        self.proc = subprocess.Popen(self.command, stdout=self.log_path.open("a"),
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=flower_env())
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Deployment:
+    """A loopback deployment: one SuperLink (deployment mode) and ``num_nodes`` SuperNodes.
+
+    Use as a context manager; leaving it (normally, on error or Ctrl-C) stops everything.
+    """
+
+    num_nodes: int
+    mode: str = "tls"
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-deploy-")))
+    data_root: str | None = None
+    link: SuperLink | None = None
+    nodes: list[SuperNode] = field(default_factory=list)
+    extra: list[SuperNode] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        if self.num_nodes < 1:
+            raise ValueError("a deployment needs at least one SuperNode")
+        self.workdir = Path(self.workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def secure(self) -> bool:
+        return self.mode == "tls"
+
+    @property
+    def certs(self) -> Path:
+        return self.workdir / "certs"
+
+    @property
+    def flwr_home(self) -> Path:
+        return self.workdir / "flwr-home"
+
+    def state_dir(self, index: int) -> Path:
+        return self.workdir / "nodes" / str(index) / "state"
+
+    def node_config(self, index: int) -> str:
+        return node_config(index, self.num_nodes, self.state_dir(index), self.data_root)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Deployment:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        from server.certs import make_node_keys, make_tls
+
+        extra_args: list[str] = []
+        if self.secure:
+            make_tls(self.certs, ["localhost", "127.0.0.1"])
+            extra_args = superlink_tls_args(self.certs)
+        self.link = SuperLink(simulation=False, insecure=not self.secure, extra_args=extra_args,
+                              workdir=self.workdir / "superlink")
+        self.link.workdir.mkdir(parents=True, exist_ok=True)
+        write_flwr_config(self.flwr_home, self.link.control_address,
+                          str(self.certs / "ca.crt") if self.secure else None)
+        self.link.start()
+        for i in range(self.num_nodes):
+            key = None
+            if self.secure:
+                key, pub = make_node_keys(self.certs, f"supernode-{i}")
+                self.register(pub)
+            self.nodes.append(self._node(i, self.node_config(i), key).start())
+
+    def _node(self, index: int, config: str, key: Path | None, name: str = "") -> SuperNode:
+        assert self.link is not None
+        cmd = supernode_command(self.link.fleet_address, config, free_port(),
+                                self.certs / "ca.crt" if self.secure else None, key)
+        return SuperNode(index, cmd, self.workdir / f"supernode-{name or index}.log")
+
+    def register(self, public_key: Path) -> None:
+        """``flwr supernode register <public key> pflower`` against our SuperLink."""
+        out = subprocess.run([_exe("flwr"), "supernode", "register", str(public_key), FEDERATION],
+                             env=flower_env(self.flwr_home), capture_output=True, text=True, timeout=120)
+        if out.returncode != 0 or "registered successfully" not in out.stdout:
+            raise LaunchError(f"could not register {public_key}: {out.stdout}{out.stderr}")
+
+    def start_unregistered_node(self, index: int = 0) -> SuperNode:
+        """A SuperNode with a fresh key pair that was never registered (refused in tls mode)."""
+        from server.certs import make_node_keys
+
+        key, _ = make_node_keys(self.certs, "unregistered")
+        node = self._node(index, self.node_config(index), key if self.secure else None, "unregistered")
+        self.extra.append(node)
+        return node.start()
+
+    def restart_node(self, index: int) -> SuperNode:
+        """Stop SuperNode ``index`` (its whole process group) and start it again, same config."""
+        node = self.nodes[index]
+        node.stop()
+        return node.start()
+
+    def stop(self) -> None:
+        for node in [*self.nodes, *self.extra]:
+            with contextlib.suppress(Exception):
+                node.stop()
+        if self.link is not None:
+            self.link.stop()
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ runs
+    def run(self, run_config: str, timeout: float | None = None) -> int:
+        """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code."""
+        if self.link is None or self.link.proc is None or self.link.proc.poll() is not None:
+            raise LaunchError("the SuperLink is not running" + self.logs())
+        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout)
+
+    def logs(self, lines: int = 15) -> str:
+        parts = []
+        if self.link is not None:
+            parts.append(f"\n--- SuperLink log ({self.link.workdir / 'superlink.log'}):\n"
+                         + _tail(self.link.workdir / "superlink.log", lines))
+        for node in [*self.nodes, *self.extra]:
+            parts.append(f"\n--- SuperNode {node.index} log ({node.log_path}):\n" + _tail(node.log_path, lines))
+        return "".join(parts)
+
+
+def run_result(run_dir: Path, started: float, code: int) -> tuple[bool, str]:
+    """Did the run finish with a fresh summary.json? (``flwr run`` exits 0 on failure too)."""
+    failed = run_dir / "FAILED"
+    summary = run_dir / "summary.json"
+    if failed.exists() and failed.stat().st_mtime >= started:
+        return False, f"run failed: {failed.read_text().strip()}"
+    if code != 0 or not summary.exists() or summary.stat().st_mtime < started:
+        return False, f"run did not complete (flwr exit code {code}, no fresh {summary})"
+    s = json.loads(summary.read_text())
+    return True, (f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
+                  f"std {s['accuracy_std']:.4f} -> {summary}")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so cleanup runs (main thread only)."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from learning.config import ConfigError, compose_config
+    from learning.data import DatasetError, num_clients
+    from server.cli import expand_grid, split_overrides, to_toml_run_config
+
+    jobs: list[tuple[str, Path]] = []
+    nodes = args.nodes
+    try:
+        for combo in expand_grid(list(args.overrides)):
+            run_cfg, rest = split_overrides(combo)
+            run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
+            cfg = compose_config(run_cfg, rest)
+            n = num_clients(cfg.dataset)
+            if nodes == 0:
+                nodes = n
+            if n != nodes:
+                raise ConfigError(
+                    f"{' '.join(combo) or 'the default config'} has {n} clients but the deployment "
+                    f"has {nodes} SuperNodes; use --nodes {n} or a dataset with {nodes} clients "
+                    "(e.g. experiment=deploy-3 for 3)")
+            jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name))
+    except (ConfigError, DatasetError) as err:
+        print(f"pflower deploy: {err}", file=sys.stderr)
+        return 2
+    if args.mode == "insecure":
+        print("pflower deploy: INSECURE mode: no TLS, no SuperNode authentication", file=sys.stderr)
+    workdir = Path(args.workdir) if args.workdir else None
+    dep = Deployment(nodes, args.mode, **({"workdir": workdir} if workdir else {}),
+                     data_root=args.data_root or None)
+    failures = 0
+    with _sigterm_as_interrupt():
+        try:
+            with dep:
+                print(f"pflower deploy: SuperLink fleet {dep.link.fleet_address} control "
+                      f"{dep.link.control_address} ({dep.mode}), {nodes} SuperNodes; logs in {dep.workdir}",
+                      flush=True)
+                for run_config, run_dir in jobs:
+                    print(f"pflower deploy: flwr run {APP_DIR} {FEDERATION} --run-config '{run_config}'",
+                          flush=True)
+                    started = time.time()
+                    code = dep.run(run_config, timeout=args.timeout or None)
+                    ok, text = run_result(run_dir, started, code)
+                    print(f"pflower deploy: {'done' if ok else 'FAILED'}: {text}", flush=True)
+                    if not ok:
+                        failures += 1
+                        print(dep.logs(), file=sys.stderr)
+        except LaunchError as err:
+            print(f"pflower deploy: could not start the deployment: {err}", file=sys.stderr)
+            return 3
+        except subprocess.TimeoutExpired:
+            print(f"pflower deploy: a run exceeded --timeout {args.timeout}s; stopped everything",
+                  file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("pflower deploy: interrupted; every SuperLink/SuperNode process was stopped",
+                  file=sys.stderr)
+            return 130
+    return 1 if failures else 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``pflower deploy`` on the CLI's subparsers."""
+    d = sub.add_parser(
+        "deploy", help="run on a local multi-process deployment (SuperLink + SuperNodes, gRPC)",
+        description="Start one SuperLink and one SuperNode per client on loopback, run each "
+                    "strategy (comma lists are swept, e.g. strategy=fedavg,fedbn), collect "
+                    "summary.json, and stop every process.")
+    d.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE (e.g. experiment=deploy-3)")
+    d.add_argument("--mode", choices=MODES, default="tls",
+                   help="tls: TLS + SuperNode authentication (default); insecure: neither")
+    d.add_argument("--nodes", type=int, default=0, help="SuperNodes to start (default: the dataset's clients)")
+    d.add_argument("--workdir", default="", help="folder for certificates, logs, SuperLink db and node state")
+    d.add_argument("--data-root", default="", help="data-root given to every SuperNode (node-config)")
+    d.add_argument("--timeout", type=float, default=0.0, help="seconds per run before giving up (0 = none)")
+    d.set_defaults(func=cmd_deploy)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pflower")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["deploy", *(argv or [])])
+    return int(args.func(args))

@@ -1,0 +1,206 @@
+"""FDSE server: consensus maximisation for the shared part, attention for the personal part.
+
+Wang et al., "Federated Learning with Domain Shift Eraser" (FDSE), CVPR 2025, Sec. 4.3 and
+Algorithm 1. The pure math lives in :mod:`strategies.fdse_math` and is re-exported here
+(``min_norm_weights``, ``consensus_update``, ``attention_mix`` and their batched forms), so
+``strategies.fdse`` is the one place to import FDSE's server math from.
+
+Parameter classes (``learning.fdse_model.parameter_classes``):
+
+* **shared** (DFE convs/linears, BN_DFE, the head): for every shared *float parameter*
+  tensor l, with client k's update ``delta_k = theta_k - theta_sent`` (its uploaded tensor
+  minus the global tensor the server sent it this round)::
+
+      dbar = mean_k ||delta_k||,  d_k = delta_k / ||delta_k||,
+      u = argmin_{u in simplex} ||sum_k u_k d_k||^2        (MGDA min-norm QP, Eq. 8)
+      theta_new = theta_old + dbar * sum_k u_k d_k
+
+  solved for all tensors at once (``consensus_update_many``: K x K Gram per tensor, batched
+  accelerated projected gradient + exact support polish, duality gap <= ``consensus_tol``).
+  BN_DFE running mean/variance: plain (unweighted) mean over the round's clients, as in the
+  paper ("directly average them for BN_DFE"); ``num_batches_tracked``: rounded mean.
+* **personal** (DSE depthwise convs, BN_DSE affine): per tensor, over the clients of the
+  round, ``theta_i <- sum_j softmax_j(cos(theta_i, theta_j) / tau) theta_j`` (Eq. 9);
+  each client receives its own mix next round (``self.personal[cid]``, keyed by the stable
+  client id and checkpointed by the base class). Clients absent from a round keep their
+  stored personal tensors unchanged. Before a client's first round it receives the
+  initial personal tensors (kept in ``global_arrays``; Algorithm 1 line 2).
+* **local** (BN_DSE running statistics): never uploaded by clients, never sent by the
+  server (they are not in ``global_arrays``); an upload containing them is rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.common.logger import log
+
+from learning.params import NDArrays, is_float, weighted_mean
+from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.fdse_math import (
+    attention_mix,
+    attention_mix_many,
+    consensus_update,
+    consensus_update_many,
+    duality_gap,
+    gram_matrix,
+    layer_weights,
+    min_norm_weights,
+    min_norm_weights_batched,
+)
+
+__all__ = [
+    "FDSE",
+    "attention_mix",
+    "attention_mix_many",
+    "consensus_update",
+    "consensus_update_many",
+    "duality_gap",
+    "gram_matrix",
+    "layer_weights",
+    "min_norm_weights",
+    "min_norm_weights_batched",
+    "split_keys",
+]
+
+_BN_STATS = ("running_mean", "running_var")
+
+
+def split_keys(classes: Mapping[str, str]) -> dict[str, list[str]]:
+    """Split ``parameter_classes`` output into the groups the server treats differently:
+    ``consensus`` (shared float parameters), ``bn_stats`` (shared BN running mean/var),
+    ``counters`` (shared ``num_batches_tracked``), ``personal`` and ``local``."""
+    out: dict[str, list[str]] = {"consensus": [], "bn_stats": [], "counters": [],
+                                 "personal": [], "local": []}
+    for key, cls in classes.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if cls == "shared":
+            if leaf in _BN_STATS:
+                out["bn_stats"].append(key)
+            elif leaf == "num_batches_tracked":
+                out["counters"].append(key)
+            else:
+                out["consensus"].append(key)
+        elif cls == "personal":
+            out["personal"].append(key)
+        elif cls == "local":
+            out["local"].append(key)
+        else:
+            raise ValueError(f"split_keys: unknown parameter class {cls!r} for {key!r}")
+    return out
+
+
+class FDSE(PersonalizedStrategy):
+    """FDSE server rule (see the module docstring). Options (``conf/strategy/fdse.yaml``):
+    ``tau`` (attention temperature), ``consensus_tol`` (duality-gap tolerance of the
+    min-norm QP), ``zero_policy`` ("exclude": a client with a zero update gets no weight;
+    "include": the authors' code's ``delta / (||delta|| + 1e-8)``)."""
+
+    name: ClassVar[str] = "fdse"
+
+    def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
+        super().__init__(initial_arrays, client_ids, **kwargs)
+        if self.model is None:
+            raise ValueError("FDSE needs the initial model (model=...) to find its shared, "
+                             "personal and local parameters; build it with learning.models.build_model")
+        from learning.fdse_model import dse_blocks, parameter_classes
+
+        if not dse_blocks(self.model):
+            raise ValueError(
+                f"strategy fdse needs an FDSE model (model=fdse-alexnet or fdse-resnet18), got "
+                f"{type(self.model).__name__} without DSE blocks"
+            )
+        self.classes = parameter_classes(self.model)
+        missing = [k for k in initial_arrays if k not in self.classes]
+        if missing:
+            raise ValueError(f"FDSE: initial arrays {missing[:3]} are not keys of the model")
+        self.groups = split_keys(self.classes)
+        self.tau = float(self.options.get("tau", 0.5))
+        if not self.tau > 0:
+            raise ValueError(f"strategy.tau must be > 0, got {self.tau}")
+        self.tol = float(self.options.get("consensus_tol", 1e-10))
+        self.zero_policy = str(self.options.get("zero_policy", "exclude"))
+        if self.zero_policy not in ("exclude", "include"):
+            raise ValueError(f"strategy.zero_policy must be exclude or include, got {self.zero_policy!r}")
+        local = set(self.groups["local"])
+        # the server never holds nor sends local-only statistics
+        self.global_arrays = {k: v for k, v in self.global_arrays.items() if k not in local}
+        self.last_weights: dict[str, list[float]] = {}
+        self.last_clients: list[str] = []
+
+    # ------------------------------------------------------------------ aggregation
+    def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Why an upload is not a valid FDSE upload (None if it is): it must hold exactly
+        the shared and personal tensors, and never a local-only statistic."""
+        leaked = sorted(set(arrays) & set(self.groups["local"]))
+        if leaked:
+            return f"uploaded local-only statistics {leaked[:3]} (they must never leave the client)"
+        expected = set(self.groups["consensus"] + self.groups["bn_stats"]
+                       + self.groups["counters"] + self.groups["personal"])
+        if set(arrays) != expected:
+            return (f"upload is missing {sorted(expected - set(arrays))[:3]}; an FDSE client "
+                    "uploads every shared and personal tensor")
+        return None
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        uploaded = []
+        for u in updates:
+            reason = self.check_upload(u.arrays)
+            if reason is None:
+                uploaded.append(u)
+            else:
+                self.round_log.rejected[u.client_id] = reason
+                log(WARNING, "fdse: rejected the update of client %s: %s", u.client_id, reason)
+        if not uploaded:
+            log(WARNING, "fdse: round %d had no valid uploads; nothing to aggregate", server_round)
+            return
+        # --- shared parameters: consensus maximisation (Eq. 8), update vs what was sent
+        deltas = []
+        for u in uploaded:
+            sent = self._sent.get(u.node_id, self.global_arrays)
+            deltas.append({k: np.asarray(u.arrays[k], np.float64) - np.asarray(sent[k], np.float64)
+                           for k in self.groups["consensus"]})
+        step, weights = consensus_update_many(deltas, tol=self.tol, zero_policy=self.zero_policy,
+                                              return_weights=True)
+        for k, d in step.items():
+            old = np.asarray(self.global_arrays[k])
+            self.global_arrays[k] = (old.astype(np.float64) + d).astype(old.dtype)
+        # --- shared BN running statistics: plain mean; counters: rounded mean
+        stats_keys = self.groups["bn_stats"] + self.groups["counters"]
+        if stats_keys:
+            mean = weighted_mean([{k: u.arrays[k] for k in stats_keys} for u in uploaded],
+                                 [1.0] * len(uploaded))
+            self.global_arrays.update(mean)
+        # --- personal parameters: similarity-aware attention (Eq. 9), one mix per client
+        pkeys = self.groups["personal"]
+        if pkeys:
+            mixed = attention_mix_many([{k: u.arrays[k] for k in pkeys} for u in uploaded], self.tau)
+            for u, mix in zip(uploaded, mixed, strict=True):
+                self.personal[u.client_id] = {
+                    k: (np.asarray(v).astype(self.reference[k].dtype) if is_float(self.reference[k])
+                        else np.asarray(u.arrays[k]))
+                    for k, v in mix.items()
+                }
+        self.last_clients = [u.client_id for u in uploaded]
+        self.last_weights = {k: [float(x) for x in w] for k, w in weights.items()}
+        log(INFO, "fdse: round %d, consensus over %d shared tensors, attention over %d personal "
+            "tensors, %d clients", server_round, len(step), len(pkeys), len(uploaded))
+
+    # ------------------------------------------------------------------ records
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Min-norm weights per shared tensor (clients in ``fdse_clients`` order)."""
+        return {"fdse_clients": list(self.last_clients), "fdse_consensus_weights": self.last_weights}
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Parameter counts per class and the per-client upload size of one round."""
+        sizes = {g: int(sum(np.asarray(self.reference[k]).size for k in keys))
+                 for g, keys in self.groups.items()}
+        upload = [k for g in ("consensus", "bn_stats", "counters", "personal") for k in self.groups[g]]
+        return {
+            "fdse_numel": sizes,
+            "fdse_upload_bytes_per_client": int(sum(np.asarray(self.reference[k]).nbytes for k in upload)),
+            "fdse_model_bytes": int(sum(np.asarray(v).nbytes for v in self.reference.values())),
+        }

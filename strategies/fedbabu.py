@@ -1,0 +1,128 @@
+"""FedBABU server (Oh, Kim and Yun, ICLR 2022): body aggregation, head fixed and sent once.
+
+- The head theta_cls^0 is initialised once here from the run seed (``head_init``:
+  ``orthogonal`` = the paper, default; ``default`` = the seeded PyTorch init the authors'
+  code used) and never changes: it is not aggregated and clients never train it.
+- Each client gets the head until it has acknowledged storing it (reply metric
+  ``head_stored``) in a *training* reply; after that only the body is sent, and the
+  digest of the head travels in the config (``head-sha256``) so the client can check its
+  stored copy. A client that fails (e.g. lost its state) is sent the head again.
+- Clients upload only the body; the server averages only the body
+  (:func:`strategies.fedbabu_math.average_body`; sample-weighted by default,
+  ``weighted: false`` for the authors' unweighted mean).
+
+Nothing here depends on simulation: it is the same message flow in the gRPC deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common.logger import log
+
+from learning.models import parameter_groups
+from learning.params import NDArrays, num_bytes
+from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
+
+HEAD_DIGEST_KEY = "head-sha256"
+HEAD_STORED_METRIC = "head_stored"
+
+
+class FedBABU(PersonalizedStrategy):
+    """FedBABU: theta_ext <- sum_i w_i theta_ext,i / sum_i w_i over the round's clients;
+    theta_cls = theta_cls^0 for the whole training (fine-tuned only at evaluation)."""
+
+    name: ClassVar[str] = "fedbabu"
+
+    def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
+        super().__init__(initial_arrays, client_ids, **kwargs)
+        if self.model is None:
+            raise ValueError("FedBABU needs the initial model to find its head (pass model=)")
+        self.head_keys: list[str] = list(parameter_groups(self.model)["head"])
+        if not self.head_keys:
+            raise ValueError(f"model {type(self.model).__name__} has no head.* keys")
+        seed = int(self.cfg.seed) if self.cfg is not None else int(self.options.get("seed", 0))
+        mode = str(self.options.get("head_init", "orthogonal"))
+        _, head0 = split_head(self.global_arrays, self.head_keys)
+        self.head: NDArrays = init_head(head0, seed, mode)
+        self.global_arrays.update(self.head)
+        self.head_sha = head_digest(self.head)
+        self.train_config[HEAD_DIGEST_KEY] = self.head_sha
+        self.head_acked: set[str] = set()
+        log(INFO, "FedBABU: head %s (%d bytes, init %s) fixed for the whole training",
+            self.head_keys, num_bytes(self.head), mode)
+
+    # ------------------------------------------------------------------ payloads
+    def payload_for(self, client_id: str | None) -> NDArrays:
+        """Body always; the head only until this client has acknowledged storing it."""
+        body, _ = split_head(self.global_arrays, self.head_keys)
+        if client_id is not None and client_id in self.head_acked:
+            return body
+        return {**body, **self.head}
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        uploaded = [u for u in updates if u.arrays]
+        for u in updates:
+            if u.metrics.get(HEAD_STORED_METRIC, 0.0) >= 1.0:
+                self.head_acked.add(u.client_id)
+        if not uploaded:
+            return
+        sent_head = [u.client_id for u in uploaded if set(u.arrays) & set(self.head_keys)]
+        if sent_head:
+            log(WARNING, "FedBABU: clients %s uploaded head tensors; they are ignored", sent_head)
+        weights = [float(u.num_examples) if self.weighted else 1.0 for u in uploaded]
+        self.global_arrays.update(average_body([u.arrays for u in uploaded], weights, self.head_keys))
+        log(INFO, "aggregate: FedBABU body average over %d clients (weighted=%s)", len(uploaded),
+            self.weighted)
+
+    def _forget_failed(self, failed: Iterable[str]) -> None:
+        for label in failed:
+            if label in self.head_acked:
+                self.head_acked.discard(label)
+                log(WARNING, "FedBABU: client %s failed; it will be sent the head again", label)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        try:
+            return super().aggregate_train(server_round, replies)
+        finally:
+            self._forget_failed(list(self.round_log.failed) + list(self.round_log.rejected))
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        out = super().aggregate_evaluate(server_round, replies)
+        self._forget_failed(self.eval_failed)
+        return out
+
+    # ------------------------------------------------------------------ records
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        return {"fedbabu": {"head_sent_to": sorted(c for c, b in self.round_log.bytes_down.items()
+                                                   if b > self._body_bytes())}}
+
+    def _body_bytes(self) -> int:
+        return num_bytes(split_head(self.global_arrays, self.head_keys)[0])
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {"head_bytes": num_bytes(self.head), "body_bytes": self._body_bytes(),
+                "head_init": str(self.options.get("head_init", "orthogonal")),
+                "head_sha256": self.head_sha}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_meta(self) -> dict[str, Any]:
+        return {**super().state_meta(), "head_acked": sorted(self.head_acked)}
+
+    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
+        super().load_state_meta(meta)
+        self.head_acked = set(meta.get("head_acked", []))
+
+    def load_state_arrays(self, groups: Mapping[str, NDArrays]) -> None:
+        super().load_state_arrays(groups)
+        _, head = split_head(self.global_arrays, self.head_keys)
+        if head_digest(head) != self.head_sha:
+            raise ValueError("the checkpoint's head differs from this run's initial head (different "
+                             "seed or head_init?); resume with the original configuration")

@@ -1,0 +1,89 @@
+"""Aggregation math of the baselines against slow, obvious computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learning.params import weighted_mean
+from strategies.base import ClientUpdate
+from strategies.baselines import FedAvg, Local
+
+
+def _slow_weighted_mean(arrays_list, weights, key):
+    total = 0.0
+    acc = np.zeros_like(np.asarray(arrays_list[0][key], dtype=np.float64))
+    for arrays, w in zip(arrays_list, weights, strict=True):
+        for idx in np.ndindex(acc.shape):
+            acc[idx] += w * float(arrays[key][idx])
+        total += w
+    return acc / total
+
+
+def _random_clients(k=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"w": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32),
+             "bn.num_batches_tracked": np.array(rng.integers(0, 100), dtype=np.int64)} for _ in range(k)]
+
+
+def test_weighted_mean_matches_slow_loop():
+    clients = _random_clients()
+    weights = [10, 1, 5, 84]
+    out = weighted_mean(clients, weights)
+    for key in ("w", "b"):
+        np.testing.assert_allclose(out[key], _slow_weighted_mean(clients, weights, key), rtol=1e-6)
+        assert out[key].dtype == np.float32
+    assert out["bn.num_batches_tracked"].dtype == np.int64
+    assert int(out["bn.num_batches_tracked"]) == int(round(_slow_weighted_mean(clients, weights, "bn.num_batches_tracked")))
+
+
+def test_weighted_mean_rejects_bad_weights():
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_mean(_random_clients(2), [0, 0])
+    with pytest.raises(ValueError, match="at least one"):
+        weighted_mean([], [])
+
+
+def _strategy(cls, clients, weighted=True):
+    initial = {k: np.zeros_like(v) for k, v in clients[0].items()}
+    return cls(initial_arrays=initial, client_ids=[str(i) for i in range(len(clients))], weighted=weighted)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fedavg_strategy_aggregates_like_the_slow_mean(weighted):
+    clients = _random_clients(5, seed=1)
+    sizes = [3, 30, 7, 1, 12]
+    strat = _strategy(FedAvg, clients, weighted)
+    updates = [ClientUpdate(str(i), i, c, n, {}) for i, (c, n) in enumerate(zip(clients, sizes, strict=True))]
+    strat.aggregate_updates(1, updates)
+    weights = sizes if weighted else [1] * 5
+    for key in ("w", "b"):
+        np.testing.assert_allclose(strat.global_arrays[key], _slow_weighted_mean(clients, weights, key), rtol=1e-6)
+
+
+def test_fedavg_only_touches_uploaded_keys():
+    """FedBN-style partial uploads: keys nobody uploaded keep their global value."""
+    clients = _random_clients(3)
+    strat = _strategy(FedAvg, clients)
+    strat.global_arrays["b"] = np.full(5, 7.0, dtype=np.float32)
+    partial = [{"w": c["w"]} for c in clients]
+    strat.aggregate_updates(1, [ClientUpdate(str(i), i, p, 1, {}) for i, p in enumerate(partial)])
+    np.testing.assert_array_equal(strat.global_arrays["b"], np.full(5, 7.0, dtype=np.float32))
+    np.testing.assert_allclose(strat.global_arrays["w"], np.mean([c["w"] for c in clients], axis=0), rtol=1e-6)
+
+
+def test_local_strategy_never_changes_the_global_model():
+    clients = _random_clients(3)
+    strat = _strategy(Local, clients)
+    before = {k: v.copy() for k, v in strat.global_arrays.items()}
+    strat.aggregate_updates(1, [ClientUpdate(str(i), i, c, 5, {}) for i, c in enumerate(clients)])
+    for k in before:
+        np.testing.assert_array_equal(strat.global_arrays[k], before[k])
+
+
+def test_payload_overlays_personal_arrays():
+    clients = _random_clients(2)
+    strat = _strategy(FedAvg, clients)
+    strat.personal["1"] = {"b": np.ones(5, dtype=np.float32)}
+    assert np.all(strat.payload_for("1")["b"] == 1) and np.all(strat.payload_for("0")["b"] == 0)
+    assert np.all(strat.payload_for(None)["b"] == 0)

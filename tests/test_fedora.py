@@ -1,0 +1,472 @@
+"""FEDORA glue: the client trainer (selective lambda, penalty, basis upload, privacy of
+the reply), the server strategy (graph, propagation, checkpoint state, files), the
+imbalanced data option, the experiment configs, and one short end-to-end run.
+
+The math itself (propagate vs the iterative form, subspace_similarity vs independent
+principal angles, selective_lambda) is tested in tests/test_fedora_math.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import strategies.fedora_math as fm
+from client.fedora import BASIS_STATE, FEDORATrainer
+from client.trainer import MODEL_PREFIX, ClientRound
+from learning.config import compose_config
+from learning.data import DatasetError, build_federated_data, load_federated_data, num_clients
+from learning.models import build_model
+from learning.params import get_arrays, set_arrays
+from learning.training import OptimConfig, train_epochs
+from strategies.base import ClientUpdate
+from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = ["strategy=fedora", "dataset=digits-rotated", "model=mlp"]
+
+
+def _cfg(*extra: str, root: Path | None = None):
+    ov = [*BASE, "train.local_epochs=1", *extra]
+    if root is not None:
+        ov += [f"results_root={root}", "run_name=t"]
+    return compose_config({}, ov)
+
+
+def _round(cfg, cid: str = "0", server_round: int = 1, need: str = "") -> ClientRound:
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+                       input_shape=data.input_shape, device=torch.device("cpu"),
+                       server_round=server_round, config={NEED_BASIS_KEY: need})
+
+
+def _model(cfg, seed: int):
+    torch.manual_seed(seed)
+    return build_model(cfg.model, (1, 8, 8), 10)
+
+
+def _stack(ds) -> tuple[np.ndarray, np.ndarray]:
+    xs = torch.stack([ds[i][0] for i in range(len(ds))])
+    ys = np.array([int(ds[i][1]) for i in range(len(ds))])
+    return xs.reshape(len(xs), -1).numpy().astype(np.float64), ys
+
+
+def _val_loss(model, ds) -> float:
+    """Mean cross-entropy over the split, written out by hand."""
+    model.eval()
+    with torch.no_grad():
+        total = 0.0
+        for i in range(len(ds)):
+            x, y = ds[i]
+            logits = model(x.unsqueeze(0))[0]
+            total += float(torch.logsumexp(logits, 0) - logits[int(y)])
+    return total / len(ds)
+
+
+def test_issue_api_exposed_in_strategies_fedora():
+    import strategies.fedora as sf
+
+    rng = np.random.default_rng(0)
+    theta, w = rng.standard_normal((4, 3)), rng.uniform(0.1, 1, (4, 4))
+    np.testing.assert_allclose(sf.propagate(theta, w, 4.0), fm.propagate(theta, w, 4.0))
+    bases = [np.linalg.qr(rng.standard_normal((6, 2)))[0] for _ in range(3)]
+    np.testing.assert_allclose(sf.subspace_similarity(bases), fm.subspace_similarity(bases))
+
+
+# ------------------------------------------------------------------ client trainer
+@pytest.mark.parametrize("form", ["paper", "code"])
+@pytest.mark.parametrize("propagated_better", [True, False])
+def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_better):
+    cfg = _cfg(f"strategy.lambda_form={form}")
+    rnd = _round(cfg)
+    weak, strong = _model(cfg, 1), _model(cfg, 2)
+    train_epochs(strong, rnd.data.train, OptimConfig(lr=0.05, epochs=5, batch_size=16),
+                 torch.device("cpu"), seed=0)
+    own, hat = (weak, strong) if propagated_better else (strong, weak)
+    state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
+    payload = get_arrays(hat)
+
+    diff = _val_loss(own, rnd.data.val) - _val_loss(hat, rnd.data.val)
+    assert (diff > 0) == propagated_better
+    if form == "paper":
+        want = max(1e-8, diff)
+    else:
+        want = 0.0 if diff < 0 else math.exp(diff / 2)
+
+    seen = {}
+    import client.fedora as cf
+
+    real = cf.train_epochs
+
+    def spy(model, ds, opt, device, seed=0, trainable=None, extra_loss=None, optimizer=None):
+        # the penalty the trainer will minimise, evaluated on theta_k before training
+        seen["extra"] = None if extra_loss is None else float(extra_loss(model, None, None,
+                                                                         torch.zeros(1)))
+        seen["start"] = get_arrays(model)
+        return real(model, ds, opt, device, seed=seed, trainable=trainable,
+                    extra_loss=extra_loss, optimizer=optimizer)
+
+    monkeypatch.setattr(cf, "train_epochs", spy)
+    result = FEDORATrainer(cfg).fit(rnd, payload, state)
+    lam = result.metrics["lambda"]
+    assert lam == pytest.approx(want, rel=1e-5, abs=1e-9)
+    assert result.metrics["val_loss_own"] - result.metrics["val_loss_propagated"] == \
+        pytest.approx(diff, rel=1e-5)
+    # training starts from theta_k (the private state), not from the payload
+    for k, v in get_arrays(own).items():
+        np.testing.assert_array_equal(seen["start"][k], v)
+    # the penalty is lambda * ||theta_k - theta_hat_k||^2
+    sq = sum(float(np.sum((get_arrays(own)[k].astype(np.float64) - payload[k]) ** 2))
+             for k in payload)
+    if want == 0.0:
+        assert seen["extra"] is None
+    else:
+        assert seen["extra"] == pytest.approx(want * sq, rel=1e-4)
+    # theta_k is the durable state and the upload
+    for k, v in result.upload.items():
+        np.testing.assert_array_equal(result.state[MODEL_PREFIX + k], v)
+
+
+def test_penalty_pulls_towards_propagated_parameters():
+    """With a large lambda (eps floor = 50) theta_k ends much closer to theta_hat_k."""
+    dist = {}
+    for eps in (1e-8, 50.0):
+        cfg = _cfg(f"strategy.eps={eps}", "train.lr=0.005")
+        rnd = _round(cfg)
+        own, hat = _model(cfg, 1), _model(cfg, 3)
+        state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
+        payload = get_arrays(hat)
+        up = FEDORATrainer(cfg).fit(rnd, payload, state).upload
+        dist[eps] = math.sqrt(sum(float(np.sum((up[k] - payload[k]) ** 2)) for k in payload))
+    start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2))
+                          for k in payload))
+    assert dist[50.0] < 0.2 * start
+    assert dist[1e-8] > 0.8 * start
+
+
+def test_first_round_without_state_starts_from_payload_and_basis_cached():
+    cfg = _cfg()
+    rnd = _round(cfg, "3", need="1,3,5")
+    init = get_arrays(_model(cfg, 0))
+    result = FEDORATrainer(cfg).fit(rnd, init, {})
+    assert result.metrics["lambda"] == pytest.approx(1e-8)  # theta_k == theta_hat_k
+    assert set(result.extra) == {BASIS_RECORD}
+    u = result.extra[BASIS_RECORD][BASIS_ARRAY]
+    np.testing.assert_array_equal(result.state[BASIS_STATE], u)
+    # not asked -> no basis in the reply; the cached basis is reused
+    rnd2 = _round(cfg, "3", server_round=2, need="1,5")
+    result2 = FEDORATrainer(cfg).fit(rnd2, result.upload, result.state)
+    assert result2.extra == {}
+    np.testing.assert_array_equal(result2.state[BASIS_STATE], u)
+
+
+def _message(content, node: int = 7):
+    from flwr.app import Message, Metadata
+
+    md = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=node,
+                  reply_to_message_id="", group_id="", created_at=time.time(), ttl=600.0,
+                  message_type="train")
+    return Message(content=content, metadata=md)
+
+
+def test_client_app_reply_carries_no_raw_samples(tmp_path):
+    """The real ClientApp reply: model arrays + the d x p basis + scalar metrics, nothing
+    else; the basis is the top right singular vector of the client's inputs."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+
+    from client.app import train
+    from strategies.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, to_record
+
+    run_config = {"strategy": "fedora", "dataset": "digits-rotated", "model": "mlp",
+                  "results-root": str(tmp_path), "run-name": "t", "seed": 0,
+                  "overrides": "train.local_epochs=1"}
+    cfg = compose_config(run_config)
+    model = build_model(cfg.model, (1, 8, 8), 10)
+    init = get_arrays(model)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 2, "num-partitions": 12},
+                      state=RecordDict(), run_config=run_config)
+    replies = []
+    for rnd, need in ((1, ",".join(str(i) for i in range(12))), (2, "")):
+        content = RecordDict({ARRAYS_KEY: to_record(init), CONFIG_KEY: ConfigRecord(
+            {"server-round": rnd, "run-name": "t", NEED_BASIS_KEY: need})})
+        replies.append(train(_message(content), context).content)
+
+    data = load_federated_data(cfg.dataset, 0).client("2")
+    x, _ = _stack(data.train)
+    first, second = replies
+    assert set(first.array_records) == {ARRAYS_KEY, BASIS_RECORD}
+    assert set(second.array_records) == {ARRAYS_KEY}          # sent once
+    assert set(first.config_records) == set() and set(first.metric_records) == {METRICS_KEY}
+    arrays = {k: v.numpy() for k, v in first.array_records[ARRAYS_KEY].items()}
+    assert {k: a.shape for k, a in arrays.items()} == {k: a.shape for k, a in init.items()}
+    basis = {k: v.numpy() for k, v in first.array_records[BASIS_RECORD].items()}
+    assert set(basis) == {BASIS_ARRAY} and basis[BASIS_ARRAY].shape == (64, 1)
+    # nothing else travels: total floats = model size + d * p
+    total = sum(v.numpy().size for rec in first.array_records.values() for v in rec.values())
+    assert total == sum(a.size for a in init.values()) + 64
+    # the basis is the top right singular vector of X (computed independently here) ...
+    v = np.linalg.svd(x, full_matrices=False)[2][0]
+    assert abs(float(basis[BASIS_ARRAY][:, 0] @ v)) == pytest.approx(1.0, abs=1e-5)
+    # ... and not any one training sample
+    u = basis[BASIS_ARRAY][:, 0]
+    cos = np.abs(x @ u) / np.linalg.norm(x, axis=1)
+    assert cos.max() < 0.999
+    for key in first.metric_records[METRICS_KEY]:
+        assert isinstance(first.metric_records[METRICS_KEY][key], (int, float))
+
+
+# ------------------------------------------------------------------ server strategy
+def _strategy(num: int, tmp_path: Path | None = None, **options):
+    opts = {"name": "fedora", "alpha": 4.0, "similarity": "paper", "top_k": None,
+            "basis_rank": 1, "eps": 1e-8, **options}
+    init = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32),
+            "n": np.array(0, np.int64)}
+    cfg = None
+    if tmp_path is not None:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.create({"results_root": str(tmp_path), "run_name": "run"})
+    return FEDORA(init, [str(i) for i in range(num)], min_train_clients=1, options=opts, cfg=cfg)
+
+
+def _update(cid: str, rng, basis: np.ndarray | None) -> ClientUpdate:
+    arrays = {"w": rng.standard_normal((3, 2)).astype(np.float32),
+              "b": rng.standard_normal(3).astype(np.float32), "n": np.array(int(cid), np.int64)}
+    extra = {BASIS_RECORD: {BASIS_ARRAY: basis}} if basis is not None else {}
+    return ClientUpdate(cid, int(cid), arrays, 10, {"lambda": 0.5}, extra)
+
+
+def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
+    num = 5
+    rng = np.random.default_rng(0)
+    bases = [np.linalg.qr(rng.standard_normal((6, 1)))[0] for _ in range(num)]
+    s = _strategy(num, tmp_path)
+    assert s.missing_bases() == [str(i) for i in range(num)]
+    first = [_update(str(i), rng, bases[i]) for i in range(3)]
+    s.aggregate_updates(1, first)
+    # clients 3, 4 not seen yet: no graph, every replier gets its own parameters back
+    assert s.w is None and s.missing_bases() == ["3", "4"]
+    notes = s.round_extras(1)["fedora"]
+    assert notes["propagated"] is False and notes["missing_bases"] == ["3", "4"]
+    for u in first:
+        for k in u.arrays:
+            np.testing.assert_array_equal(s.payload_for(u.client_id)[k], u.arrays[k])
+    assert not (tmp_path / "run" / "similarity.npy").exists()
+
+    second = [_update(str(i), rng, bases[i]) for i in (3, 4)] + [_update("0", rng, None)]
+    s.aggregate_updates(2, second)
+    np.testing.assert_allclose(s.w, fm.subspace_similarity(bases))
+    latest = {u.client_id: u.arrays for u in first}
+    latest.update({u.client_id: u.arrays for u in second})
+    for key in ("w", "b"):
+        theta = np.stack([latest[str(i)][key].reshape(-1) for i in range(num)]).astype(np.float64)
+        want = fm.propagate(theta, s.w, 4.0)
+        for i in range(num):
+            got = s.payload_for(str(i))[key]
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got.reshape(-1), want[i], rtol=1e-5, atol=1e-6)
+    for i in range(num):  # integer buffers are not propagated
+        assert int(s.payload_for(str(i))["n"]) == i
+    run = tmp_path / "run"
+    np.testing.assert_allclose(np.load(run / "similarity.npy"), s.w)
+    report = json.loads((run / "similarity.json").read_text())
+    assert report["clients"] == [str(i) for i in range(num)]
+    np.testing.assert_allclose(report["cosine_sum"], fm.subspace_similarity(bases, self_loops=True))
+    assert (run / "similarity.png").stat().st_size > 1000
+    assert s.round_extras(2)["fedora"]["propagated"] is True
+    assert s.summary_extras()["fedora"]["graph_built"] is True
+
+
+def test_strategy_code_form_and_bad_basis():
+    num = 4
+    rng = np.random.default_rng(1)
+    bases = [np.linalg.qr(rng.standard_normal((6, 1)))[0] for _ in range(num)]
+    s = _strategy(num, similarity="code")
+    bad = _update("3", rng, np.ones((6, 1)))  # not orthonormal
+    s.aggregate_updates(1, [_update(str(i), rng, bases[i]) for i in range(3)] + [bad])
+    assert s.w is None and s.missing_bases() == ["3"]
+    assert "3" in s.round_extras(1)["fedora"]["basis_rejected"]
+    wrong_dim = _update("3", rng, np.linalg.qr(rng.standard_normal((7, 1)))[0])
+    s.aggregate_updates(2, [wrong_dim])
+    assert "rows" in s.round_extras(2)["fedora"]["basis_rejected"]["3"]
+    s.aggregate_updates(3, [_update("3", rng, bases[3])])
+    np.testing.assert_allclose(s.w, fm.subspace_similarity(bases, form="code"))
+    assert np.all((s.w > 0).sum(axis=1) == 2)  # the code's top-2 graph
+
+
+class _Grid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return self.nodes
+
+
+def test_configure_train_asks_only_for_missing_bases():
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    rng = np.random.default_rng(2)
+    s = _strategy(3)
+    msgs = list(s.configure_train(1, ArrayRecord(), ConfigRecord({}), _Grid([11, 12, 13])))
+    assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,1,2"}
+    s.aggregate_updates(1, [_update("1", rng, np.eye(6)[:, :1])])
+    msgs = list(s.configure_train(2, ArrayRecord(), ConfigRecord({}), _Grid([11, 12, 13])))
+    assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,2"}
+
+
+def test_strategy_state_roundtrips_through_a_checkpoint(tmp_path):
+    from server.checkpoint import load_checkpoint, save_checkpoint
+
+    num = 4
+    rng = np.random.default_rng(3)
+    s = _strategy(num)
+    s.aggregate_updates(1, [_update(str(i), rng, np.linalg.qr(rng.standard_normal((6, 1)))[0])
+                            for i in range(num)])
+    save_checkpoint(tmp_path, 1, s.state_arrays(), {"x": 1})
+    _, groups, _ = load_checkpoint(tmp_path, {"x": 1})
+    r = _strategy(num)
+    r.load_state_arrays(groups)
+    np.testing.assert_array_equal(r.w, s.w)
+    np.testing.assert_array_equal(r.cosine_sum, s.cosine_sum)
+    assert set(r.bases) == set(s.bases) and r.missing_bases() == []
+    for cid in s.theta:
+        for k in s.theta[cid]:
+            np.testing.assert_array_equal(r.theta[cid][k], s.theta[cid][k])
+            np.testing.assert_array_equal(r.personal[cid][k], s.personal[cid][k])
+    # after resume, the next round propagates with the restored graph
+    ups = [_update(str(i), rng, None) for i in range(num)]
+    r.aggregate_updates(2, ups)
+    s.aggregate_updates(2, ups)
+    for cid in s.personal:
+        np.testing.assert_allclose(r.personal[cid]["w"], s.personal[cid]["w"])
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="alpha"):
+        _strategy(3, alpha=0)
+    with pytest.raises(ValueError, match="similarity"):
+        _strategy(3, similarity="cosine")
+    with pytest.raises(ValueError, match="lambda_form"):
+        _strategy(3, lambda_form="exp")
+
+
+def test_in_process_federation_digits_rotated(tmp_path):
+    """Real trainers + strategy for 3 rounds (no Flower): graph after round 1, every
+    client gets its own theta_hat, lambda is recorded, accuracy improves."""
+    cfg = _cfg(root=tmp_path)
+    data = load_federated_data(cfg.dataset, 0)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    s = FEDORA(get_arrays(model), data.client_ids, min_train_clients=1,
+               options=dict(cfg.strategy), model=model, cfg=cfg, data=data)
+    trainer = FEDORATrainer(cfg)
+    states: dict[str, dict] = {c: {} for c in data.client_ids}
+    accs = []
+    for rnd_no in (1, 2, 3):
+        need = ",".join(s.missing_bases())
+        updates = []
+        for cid in data.client_ids:
+            rnd = _round(cfg, cid, rnd_no, need)
+            res = trainer.fit(rnd, s.payload_for(cid), states[cid])
+            states[cid] = res.state
+            updates.append(ClientUpdate(cid, int(cid), res.upload, res.num_examples, res.metrics,
+                                        res.extra))
+        s.aggregate_updates(rnd_no, updates)
+        assert s.w is not None
+        accs.append(np.mean([trainer.evaluate(_round(cfg, c, rnd_no), s.payload_for(c),
+                                              states[c])["accuracy"] for c in data.client_ids]))
+        assert set(s.round_extras(rnd_no)["fedora"]["lambda"]) == set(data.client_ids)
+    assert s.w.shape == (12, 12)
+    key = next(iter(s.reference))
+    hats = [s.payload_for(c)[key] for c in data.client_ids]
+    assert not np.allclose(hats[0], hats[5])
+    assert accs[-1] > accs[0]
+    assert (tmp_path / "t" / "similarity.png").exists()
+
+
+# ------------------------------------------------------------------ data and configs
+def test_imbalanced_option_uncapped():
+    cfg = compose_config({}, BASE)
+    plain = dict(cfg.dataset)
+    bal = build_federated_data(plain, 0)
+    imb = build_federated_data({**plain, "imbalanced_client": 6, "imbalance_factor": 8}, 0)
+    for cid in bal.client_ids:
+        b, i = bal.clients[cid], imb.clients[cid]
+        want = len(b.train) if cid == "6" else max(1, len(b.train) // 8)
+        assert len(i.train) == want
+        assert len(i.val) == len(b.val) and len(i.test) == len(b.test)
+        assert set(i.train_ids) <= set(b.train_ids)
+    assert len(imb.clients["6"].train) >= 7 * len(imb.clients["0"].train)
+
+
+def test_imbalanced_option_capped_and_errors():
+    cfg = compose_config({}, BASE)
+    plain = {**dict(cfg.dataset), "samples_per_client": 40}
+    bal = build_federated_data(plain, 0)
+    imb = build_federated_data({**plain, "imbalanced_client": 2, "imbalance_factor": 3}, 0)
+    full = build_federated_data({**plain, "samples_per_client": 0}, 0).clients["2"]
+    sizes = {c: len(s.train) + len(s.val) + len(s.test) for c, s in imb.clients.items()}
+    assert sizes["2"] == min(120, len(full.train) + len(full.val) + len(full.test)) > 100
+    assert all(v == 40 for c, v in sizes.items() if c != "2")
+    assert all(len(b.train) + len(b.val) + len(b.test) == 40 for b in bal.clients.values())
+    for bad in ({"imbalanced_client": 12}, {"imbalanced_client": -2},
+                {"imbalanced_client": 0, "imbalance_factor": 0}):
+        with pytest.raises(DatasetError, match="imbalance"):
+            build_federated_data({**plain, **bad}, 0)
+
+
+@pytest.mark.parametrize("exp, dataset, clients, model", [
+    ("fedora-rotated-mnist", "rotated-mnist", 36, "mlp"),
+    ("fedora-rotated-fashion-mnist", "rotated-fashion-mnist", 36, "mlp"),
+    ("fedora-rotated-mnist-imbalanced", "rotated-mnist", 36, "mlp"),
+    ("fedora-cifar10", "cifar10", 10, "cnn"),
+    ("fedora-digits-rotated", "digits-rotated", 12, "mlp"),
+    ("fedora-digits-rotated-imbalanced", "digits-rotated", 12, "mlp"),
+])
+def test_experiment_configs_compose(exp, dataset, clients, model):
+    cfg = compose_config({}, [f"experiment={exp}", "dataset.root=/nonexistent"])
+    assert cfg.strategy.name == "fedora" and cfg.dataset.name == dataset
+    assert cfg.model.name == model and num_clients(cfg.dataset) == clients
+    t = cfg.train
+    assert (t.lr, t.momentum, t.local_epochs, t.batch_size) == (5e-3, 0.9, 5, 64)
+    if dataset.startswith("rotated"):
+        n, v, te = cfg.dataset.samples_per_client, cfg.dataset.val_fraction, cfg.dataset.test_fraction
+        assert round(n * (1 - v - te)) == 128 and round(n * v) == 64
+        assert list(cfg.model.hidden) == [128, 128]
+        angles = [int(d.split("-")[1]) for d in cfg.dataset.domains]
+        assert angles == list(range(0, 360, 10))
+    if exp.endswith("imbalanced"):
+        assert cfg.dataset.imbalanced_client >= 0 and cfg.dataset.imbalance_factor > 1
+    # the baselines run on the same setting
+    other = compose_config({}, [f"experiment={exp}", "dataset.root=/nonexistent", "strategy=local"])
+    assert other.strategy.name == "local" and other.train.lr == 5e-3
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.mark.skipif(shutil.which("pflower") is None, reason="pflower CLI not installed")
+def test_pflower_run_fedora_end_to_end(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = ["pflower", "run", "strategy=fedora", "dataset=digits-rotated", "model=mlp", "rounds=2",
+           f"results_root={tmp_path}", "run_name=e2e"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "e2e"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["strategy"] == "fedora" and len(summary["clients"]) == 12
+    assert summary["fedora"]["graph_built"] is True
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["fedora"]["propagated"] for r in rounds] == [True, True]
+    # the basis travelled once: round 2 uploads are exactly the model (smaller than round 1)
+    up1, up2 = (sum(r["communication"]["bytes_up"].values()) for r in rounds)
+    assert up1 - up2 == 12 * 64 * 8
+    assert np.load(run / "similarity.npy").shape == (12, 12)
+    assert (run / "similarity.png").exists()

@@ -1,0 +1,59 @@
+"""Models build, run on the data they are meant for, and expose their parameter groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learning.models import MODELS, ModelError, build_model, parameter_groups, resolve_device
+
+SHAPES = {"cnn": (1, 8, 8), "cnn4": (3, 32, 32), "mobilenet": (3, 32, 32), "alexnet-bn": (3, 32, 32),
+          "resnet18": (3, 32, 32), "mlp": (1, 28, 28)}
+CFG = {"cnn": {}, "cnn4": {}, "mobilenet": {"width_mult": 0.25}, "alexnet-bn": {"width": 0.1},
+       "resnet18": {"small_input": True}, "mlp": {"hidden": [128, 128]}}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_model_forward_and_groups(name):
+    model = build_model({"name": name, **CFG[name]}, SHAPES[name], num_classes=7)
+    model.eval()
+    out = model(torch.randn(2, *SHAPES[name]))
+    assert out.shape == (2, 7)
+    groups = parameter_groups(model)
+    assert groups["head"] == ["head.weight", "head.bias"]
+    assert set(groups["head"]).isdisjoint(groups["body"])
+    assert set(groups["head"]) | set(groups["body"]) == set(model.state_dict())
+    assert set(groups["bn_stats"]) <= set(groups["bn"]) <= set(groups["body"])
+    if name != "mlp":
+        assert groups["bn"], f"{name} should have BatchNorm layers"
+
+
+def test_large_alexnet_input():
+    model = build_model({"name": "alexnet-bn", "width": 0.1}, (3, 96, 96), 5).eval()
+    assert model(torch.randn(2, 3, 96, 96)).shape == (2, 5)
+
+
+def test_unknown_model_and_missing_weights(tmp_path):
+    with pytest.raises(ModelError, match="unknown model 'vgg'"):
+        build_model({"name": "vgg"}, (3, 32, 32), 10)
+    with pytest.raises(ModelError, match="does not exist"):
+        build_model({"name": "resnet18", "pretrained_path": str(tmp_path / "no.pt")}, (3, 32, 32), 10)
+    assert "cnn" in MODELS
+
+
+def test_resnet18_loads_local_pretrained_weights(tmp_path):
+    import torchvision
+
+    ref = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "r18.pt"
+    torch.save(ref.state_dict(), path)
+    model = build_model({"name": "resnet18", "pretrained_path": str(path), "small_input": False}, (3, 64, 64), 4)
+    torch.testing.assert_close(model.body.layer1[0].conv1.weight, ref.layer1[0].conv1.weight)
+
+
+def test_device_resolution():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="CUDA is not available"):
+            resolve_device("cuda")
