@@ -67,7 +67,9 @@ def check_partitions(context: Context, data: FederatedData) -> None:
     if expected is not None and int(expected) != len(data.clients):
         raise ValueError(
             f"node config says num-partitions={expected} but dataset {data.name!r} has "
-            f"{len(data.clients)} clients; make them agree (dataset.clients_per_domain x domains)"
+            f"{len(data.clients)} clients; make them agree: in simulation pass "
+            f"--federation-config \"num-supernodes={len(data.clients)}\" to flwr run (or use "
+            "`pflower run`, which sets it), or change dataset.clients_per_domain"
         )
 
 
@@ -127,7 +129,9 @@ def train(msg: Message, context: Context) -> Message:
     scope = _state_scope(rnd, context)
     state, meta = store.load(max_round=rnd.server_round - 1, **scope)
     result = trainer.fit(rnd, payload, state)
-    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id},
+    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
+                              # the rounds this state went through (survives SuperNode restarts)
+                              "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
                server_round=rnd.server_round, attempt=scope["attempt"])
     upload = result.upload
     if inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "after"):

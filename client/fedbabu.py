@@ -28,11 +28,9 @@ from client.trainer import ClientRound, ClientTrainer, FitResult, prefixed, unpr
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays
 from learning.training import train_epochs
-from strategies.fedbabu_math import head_digest, split_head
+from strategies.fedbabu_math import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, head_digest, split_head
 
 HEAD_PREFIX = "head/"
-HEAD_DIGEST_KEY = "head-sha256"      # same key as strategies.fedbabu (no Flower import here)
-HEAD_STORED_METRIC = "head_stored"
 
 
 class HeadMissingError(RuntimeError):

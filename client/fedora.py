@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -62,7 +63,7 @@ class FEDORATrainer(ClientTrainer):
     name: ClassVar[str] = "fedora"
     has_global_model: ClassVar[bool] = False
 
-    def __init__(self, cfg) -> None:  # noqa: ANN001 - DictConfig
+    def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
         self.opts = fedora_options(cfg.strategy)
 

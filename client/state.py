@@ -38,6 +38,11 @@ from learning.storage import StateCorruptError, load_arrays_file, read_meta, sav
 
 STATE_FILE = "state.npz"          # legacy single-file name (still read if no versions exist)
 VERSION_RE = re.compile(r"^state-r(\d+)\.npz$")
+ROUND_KEY, ATTEMPT_KEY = "_state_round", "_state_attempt"   # bookkeeping in the file metadata
+
+
+def _user_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k not in (ROUND_KEY, ATTEMPT_KEY)}
 
 __all__ = ["ClientStateStore", "StateCorruptError", "STATE_FILE"]
 
@@ -77,7 +82,7 @@ class ClientStateStore:
     def _usable(self, rnd: int, path: Path, resumed_from: int | None, attempt: str | None) -> bool:
         if resumed_from is None or rnd <= resumed_from:
             return True
-        return attempt is not None and str(read_meta(path).get("attempt")) == str(attempt)
+        return attempt is not None and str(read_meta(path).get(ATTEMPT_KEY)) == str(attempt)
 
     def load(self, max_round: int | None = None, resumed_from: int | None = None,
              attempt: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -93,8 +98,9 @@ class ClientStateStore:
             if not self._usable(rnd, versions[rnd], resumed_from, attempt):
                 continue
             arrays, meta = load_arrays_file(versions[rnd])
-            self._to_context(arrays, meta)
-            return arrays, meta
+            if rnd == max(versions):  # the cache only ever holds the newest version
+                self._to_context(arrays, meta)
+            return arrays, _user_meta(meta)
         legacy = self.dir / STATE_FILE
         if not versions and resumed_from is None and legacy.exists():
             arrays, meta = load_arrays_file(legacy)
@@ -107,7 +113,7 @@ class ClientStateStore:
         one past the newest version) and prune old versions."""
         if server_round is None:
             server_round = int(meta.get("last_round", max(self.versions(), default=0) + 1))
-        meta = {**meta, "round": int(server_round), "attempt": None if attempt is None else str(attempt)}
+        meta = {**meta, ROUND_KEY: int(server_round), ATTEMPT_KEY: None if attempt is None else str(attempt)}
         path = self.path_for(server_round)
         save_arrays_file(path, arrays, meta)
         self._to_context(arrays, meta)
@@ -127,6 +133,8 @@ class ClientStateStore:
             if rnd not in keep:
                 path.unlink(missing_ok=True)
                 path.with_suffix(".json").unlink(missing_ok=True)
+        for tmp in self.dir.glob(".state-r*"):  # a write cut short by a killed process
+            tmp.unlink(missing_ok=True)
 
     # context.state mirror ---------------------------------------------------------
     def _from_context(self, max_round: int | None, attempt: str | None
@@ -144,12 +152,12 @@ class ClientStateStore:
         if cached.get("state_dir") != str(self.dir):  # another run / state dir: use disk
             return None
         meta = cached.get("meta", {})
-        rnd = meta.get("round")
+        rnd = meta.get(ROUND_KEY)
         if max_round is not None and (rnd is None or int(rnd) > max_round):
             return None
-        if attempt is not None and meta.get("attempt") not in (None, str(attempt)):
+        if attempt is not None and meta.get(ATTEMPT_KEY) not in (None, str(attempt)):
             return None
-        return {k: v.numpy() for k, v in rec.items()}, meta
+        return {k: v.numpy() for k, v in rec.items()}, _user_meta(meta)
 
     def _to_context(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         if self.context_state is None:

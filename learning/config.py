@@ -92,6 +92,11 @@ def _compose_cached(overrides_json: str) -> DictConfig:
     finally:
         GlobalHydra.instance().clear()
     validate_config(cfg)
+    if cfg.resume:
+        # the resumed run *is* the run folder given: same run_name and results_root
+        run_dir = Path(str(cfg.resume)).resolve()
+        cfg.resume = str(run_dir)
+        cfg.run_name, cfg.results_root = run_dir.name, str(run_dir.parent)
     if not cfg.run_name:
         cfg.run_name = f"{cfg.strategy.name}-{cfg.dataset.name}-{cfg.model.name}-s{cfg.seed}"
     OmegaConf.set_readonly(cfg, True)
@@ -106,30 +111,55 @@ def validate_config(cfg: DictConfig) -> None:
             f"dataset {cfg.dataset.name!r} needs a data folder: add overrides=\"dataset.root=/path\" "
             "(see conf/dataset/ for the expected layout)"
         )
-    if int(cfg.rounds) < 1:
-        problems.append(f"rounds must be >= 1, got {cfg.rounds}")
-    if not 0 < float(cfg.fraction_train) <= 1:
-        problems.append(f"fraction_train must be in (0, 1], got {cfg.fraction_train}")
-    if int(cfg.min_train_clients) < 1:
-        problems.append(f"min_train_clients must be >= 1, got {cfg.min_train_clients}")
-    if float(cfg.round_timeout) <= 0:
-        problems.append(f"round_timeout must be > 0 seconds, got {cfg.round_timeout}")
-    if int(cfg.eval_every) < 1:
-        problems.append(f"eval_every must be >= 1, got {cfg.eval_every}")
-    if float(cfg.train.lr) <= 0:
-        problems.append(f"train.lr must be > 0, got {cfg.train.lr}")
-    if int(cfg.train.local_epochs) < 0:
-        problems.append(f"train.local_epochs must be >= 0, got {cfg.train.local_epochs}")
-    if int(cfg.train.batch_size) < 1:
-        problems.append(f"train.batch_size must be >= 1, got {cfg.train.batch_size}")
+
+    def num(key: str, cast: type = int) -> Any:
+        """cfg[key] as a number, or None (with a problem noted) if it is not one."""
+        value = OmegaConf.select(cfg, key)
+        try:
+            if isinstance(value, bool) or value is None:
+                raise ValueError
+            out = cast(value)
+            if cast is int and float(value) != out:
+                raise ValueError
+            return out
+        except (TypeError, ValueError):
+            problems.append(f"{key} must be {'an integer' if cast is int else 'a number'}, got {value!r}")
+            return None
+
+    def check(key: str, cast: type, ok: Any, need: str) -> None:
+        value = num(key, cast)
+        if value is not None and not ok(value):
+            problems.append(f"{key} must be {need}, got {value}")
+
+    check("rounds", int, lambda v: v >= 1, ">= 1")
+    check("seed", int, lambda v: v >= 0, ">= 0")
+    check("fraction_train", float, lambda v: 0 < v <= 1, "in (0, 1]")
+    check("min_train_clients", int, lambda v: v >= 1, ">= 1")
+    check("round_timeout", float, lambda v: v > 0, "> 0 seconds")
+    check("wait_for_clients", float, lambda v: v > 0, "> 0 seconds")
+    check("eval_every", int, lambda v: v >= 1, ">= 1")
+    check("checkpoint_every", int, lambda v: v >= 0, ">= 0 (0 = never)")
+    check("norm_bound", float, lambda v: v >= 0, ">= 0 (0 = off)")
+    check("train.lr", float, lambda v: v > 0, "> 0")
+    check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
+    check("train.batch_size", int, lambda v: v >= 1, ">= 1")
     if str(cfg.finetune.part) not in ("full", "head", "body"):
         problems.append(f"finetune.part must be full, head or body, got {cfg.finetune.part!r}")
-    if cfg.resume and not Path(str(cfg.resume)).is_dir():
-        problems.append(f"resume={cfg.resume!r} is not a run folder; give the path of an earlier run")
+    # (whether the resume folder and its checkpoint exist is checked where the server runs:
+    # `pflower run` before starting anything, and the ServerApp before the first round;
+    # SuperNodes compose this config too and do not have the folder)
+    if cfg.resume:
+        run_dir = Path(str(cfg.resume))
+        if cfg.run_name and str(cfg.run_name) != run_dir.resolve().name:
+            problems.append(f"run_name={cfg.run_name!r} differs from the resumed run folder "
+                            f"{run_dir.resolve().name!r}; leave run_name out when resuming")
     from learning.data import SOURCES
 
     if not OmegaConf.is_missing(cfg.dataset, "root") and cfg.dataset.source not in SOURCES:
         problems.append(f"dataset.source {cfg.dataset.source!r} is unknown; valid: {', '.join(SOURCES)}")
+    root = "" if OmegaConf.is_missing(cfg.dataset, "root") else str(cfg.dataset.get("root") or "")
+    if root and not Path(root).is_dir():
+        problems.append(f"dataset.root {root!r} does not exist; point it at the {cfg.dataset.name} data folder")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -87,8 +87,8 @@ def _open_npz(path: Path) -> Any:
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-        raise StateCorruptError(f"{path} is truncated or not an array file ({err}); delete it or "
-                                "restore it from a backup") from err
+        raise StateCorruptError(f"{path} fails its checksum: truncated or not an array file ({err}); "
+                                "delete it or restore it from a backup") from err
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def read_meta(path: Path) -> dict[str, Any]:
             try:
                 return dict(json.loads(z[META_MEMBER].tobytes().decode())["meta"])
             except Exception as err:
-                raise StateCorruptError(f"{path}: unreadable metadata ({err})") from err
+                raise StateCorruptError(f"{path} fails its checksum: unreadable metadata ({err})") from err
     sidecar = path.with_suffix(".json")
     if not sidecar.is_file():
         raise StateCorruptError(f"{path} has no embedded metadata and no {sidecar.name}")
@@ -118,14 +118,14 @@ def load_arrays_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]
         try:
             members = {k: z[k] for k in z.files}
         except Exception as err:  # zip CRC errors, truncated members, bad headers
-            raise StateCorruptError(f"{path} is truncated or corrupt ({err}); delete it or "
-                                    "restore it from a backup") from err
+            raise StateCorruptError(f"{path} fails its checksum: truncated or corrupt ({err}); "
+                                    "delete it or restore it from a backup") from err
     if META_MEMBER in members:
         try:
             header = json.loads(members.pop(META_MEMBER).tobytes().decode())
             meta, digest = dict(header["meta"]), str(header["sha256"])
         except Exception as err:
-            raise StateCorruptError(f"{path}: unreadable metadata ({err})") from err
+            raise StateCorruptError(f"{path} fails its checksum: unreadable metadata ({err})") from err
         if arrays_digest(members, meta) != digest:
             raise StateCorruptError(f"{path} fails its checksum (modified or damaged); delete it or "
                                     "restore it from a backup")

@@ -32,6 +32,8 @@ class OptimConfig:
     batch_size: int = 32
     clip: float = 0.0
     optimizer: str = "sgd"
+    amp: bool = False          # bfloat16/float16 autocast (CUDA: float16 with a GradScaler)
+    compile: bool = False      # torch.compile the model for this call
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any], lr_scale: float = 1.0) -> OptimConfig:
@@ -43,6 +45,8 @@ class OptimConfig:
             batch_size=int(cfg.get("batch_size", 32)),
             clip=float(cfg.get("clip", 0.0)),
             optimizer=str(cfg.get("optimizer", "sgd")),
+            amp=bool(cfg.get("amp", False)),
+            compile=bool(cfg.get("compile", False)),
         )
 
 
@@ -93,6 +97,9 @@ def train_epochs(
     optimizer = optimizer or make_optimizer(model.parameters(), opt)
     loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=seed)
     loss_fn = nn.CrossEntropyLoss()
+    forward = torch.compile(model) if opt.compile else model
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=opt.amp and device.type == "cuda")
     steps, total, correct, loss_sum = 0, 0, 0, 0.0
     try:
         for _ in range(max(0, opt.epochs)):
@@ -100,18 +107,21 @@ def train_epochs(
             for x, y in loader:
                 x, y = x.to(device), y.to(device)
                 optimizer.zero_grad(set_to_none=True)
-                logits = model(x)
-                loss = loss_fn(logits, y)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=opt.amp):
+                    logits = forward(x)
+                    loss = loss_fn(logits, y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model, x, y, logits)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"training loss became {loss.item()}; lower train.lr or enable train.clip"
                     )
-                loss.backward()
+                scaler.scale(loss).backward()
                 if opt.clip > 0:
+                    scaler.unscale_(optimizer)
                     nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opt.clip)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 steps += 1
                 total += len(y)
                 correct += int((logits.argmax(1) == y).sum())

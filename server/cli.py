@@ -13,12 +13,17 @@ non-zero unless the run wrote its ``summary.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from learning.config import ConfigError, compose_config
 from learning.data import DatasetError, num_clients
@@ -57,11 +62,13 @@ def _num(x: float) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from server.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
 
-    run_cfg, rest = split_overrides(args.overrides)
-    run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     try:
+        run_cfg, rest = split_overrides(args.overrides)
+        run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
         cfg = compose_config(run_cfg, rest)
         n = num_clients(cfg.dataset)
+        if cfg.resume:
+            run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
@@ -74,6 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with simulation_superlink() as (link, flwr_home):
             print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
+            write_pid_file(run_dir, link)
             code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation)
     except LaunchError as err:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
@@ -93,6 +101,108 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"pflower: done. accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
           f"std {s['accuracy_std']:.4f} -> {summary}")
     return 0
+
+
+PID_FILE = "pflower.pid"
+
+
+def write_pid_file(run_dir: Path, link: object) -> None:
+    """Record this command's pid and its SuperLink's process group in the run folder, so a
+    resume can detect a run still in progress and clean up after a killed ``pflower``."""
+    from learning.storage import atomic_write_text
+
+    proc = getattr(link, "proc", None)
+    info = {"pflower": os.getpid(), "superlink_pgid": proc.pid if proc is not None else None}
+    atomic_write_text(run_dir / PID_FILE, json.dumps(info))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (Linux ``/proc``), parents first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root``, its descendants and their process groups (Flower starts the
+    SuperLink, its SuperExec and the simulation in separate sessions; Ray's processes are
+    in the simulation's group). Never touches the caller's own process group."""
+    own = os.getpgrp()
+    for _ in range(3):  # processes may spawn while we walk: repeat until nothing is left
+        pids = [p for p in process_tree(root) if Path(f"/proc/{p}").exists()]
+        if not pids:
+            return
+        groups = set()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                groups.add(os.getpgid(pid))
+        for pgid in groups - {own}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+def stale_processes(run_dir: Path) -> None:
+    """Before resuming: refuse if the run's ``pflower`` is still alive; stop the SuperLink
+    process group it left behind if it was killed (e.g. SIGKILL), which would otherwise
+    keep running the old attempt into the same folder."""
+    path = run_dir / PID_FILE
+    if not path.exists():
+        return
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    pid, pgid = info.get("pflower"), info.get("superlink_pgid")
+    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in _cmdline(pid) or "server.cli" in _cmdline(pid)):
+        raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
+                          f"(kill {pid}) or wait for it to finish")
+    if isinstance(pgid, int) and "flower-superlink" in _cmdline(pgid):
+        print(f"pflower: stopping the SuperLink (pid {pgid}) and its processes, left running by "
+              "the interrupted run", file=sys.stderr)
+        kill_tree(pgid)
+
+
+def resume_overrides(cfg: DictConfig, n: int, run_cfg: dict[str, str], rest: list[str]
+                     ) -> tuple[dict[str, str], list[str]]:
+    """``resume=<run dir>``: verify the folder and its checkpoint (checksum, strategy,
+    model, dataset, seed, clients, round) before anything starts, and make the resumed run
+    write into that same folder (its run_name and results_root)."""
+    from server.checkpoint import CheckpointError, check_checkpoint
+    from server.loop import checkpoint_identity
+
+    run_dir = Path(str(cfg.resume))
+    if not run_dir.is_dir():
+        raise ConfigError(f"resume={run_dir} is not a run folder; give the path of an earlier run")
+    try:
+        last = check_checkpoint(run_dir, checkpoint_identity(cfg, n), int(cfg.rounds))
+    except CheckpointError as err:
+        raise ConfigError(f"cannot resume: {err}") from err
+    stale_processes(run_dir)
+    print(f"pflower: resuming {run_dir} after round {last}")
+    run_cfg = {**run_cfg, "run-name": str(cfg.run_name), "results-root": str(cfg.results_root)}
+    rest = [o for o in rest if not o.lstrip("+").startswith("resume=")] + [f"resume={run_dir}"]
+    return run_cfg, rest
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

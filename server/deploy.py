@@ -85,14 +85,42 @@ def superlink_tls_args(certs: Path) -> list[str]:
 
 
 def supernode_command(superlink: str, config: str, runtime_port: int = SUPERNODE_PORT,
-                      root_certificates: Path | None = None, private_key: Path | None = None,
-                      runtime_host: str = "127.0.0.1") -> list[str]:
+                      root_certificates: str | Path | None = None,
+                      private_key: str | Path | None = None, runtime_host: str = "127.0.0.1",
+                      exe: str | None = None) -> list[str]:
     """``flower-supernode`` for one client: insecure unless ``root_certificates`` is given."""
-    cmd = [_exe("flower-supernode"), "--superlink", superlink]
+    cmd = [exe or _exe("flower-supernode"), "--superlink", superlink]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if private_key is not None:
         cmd += ["--auth-supernode-private-key", str(private_key)]
     return cmd + ["--node-config", config, "--host", runtime_host, "--port", str(runtime_port)]
+
+
+# ---------------------------------------------------------------------- containers
+# docker/compose.yml (+ compose.tls.yml) run exactly these command lines; the test
+# tests/test_docker_compose.py checks the files against these functions.
+SUPERLINK_SERVICE = "superlink"
+CONTAINER_STATE = "/state"
+CONTAINER_DATA = "/data"
+CONTAINER_CERTS = "/certs"
+CONTAINER_RESULTS = "/results"
+
+
+def container_superlink_command(mode: str) -> list[str]:
+    """The SuperLink container's command: deployment mode, listening on all interfaces."""
+    link = SuperLink(simulation=False, host="0.0.0.0", insecure=mode == "insecure",
+                     fleet_port=FLEET_PORT, http_port=CONTROL_PORT, workdir=Path(CONTAINER_STATE),
+                     extra_args=superlink_tls_args(Path(CONTAINER_CERTS)) if mode == "tls" else ())
+    return ["flower-superlink", *link.command()[1:]]
+
+
+def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[str]:
+    """SuperNode ``index``'s container command: its partition, its own /data and /state."""
+    certs = Path(CONTAINER_CERTS)
+    return supernode_command(
+        f"{SUPERLINK_SERVICE}:{FLEET_PORT}", node_config(index, num_nodes, CONTAINER_STATE, CONTAINER_DATA),
+        SUPERNODE_PORT, certs / "ca.crt" if mode == "tls" else None,
+        certs / f"supernode-{index}" if mode == "tls" else None, exe="flower-supernode")
 
 
 @dataclass
@@ -206,12 +234,14 @@ class Deployment:
         if out.returncode != 0 or "registered successfully" not in out.stdout:
             raise LaunchError(f"could not register {public_key}: {out.stdout}{out.stderr}")
 
-    def start_unregistered_node(self, index: int = 0) -> SuperNode:
-        """A SuperNode with a fresh key pair that was never registered (refused in tls mode)."""
+    def start_unregistered_node(self, index: int = 0, with_key: bool = True) -> SuperNode:
+        """A SuperNode whose key was never registered, or with no key at all (both are
+        refused in tls mode; Flower exits with code 305)."""
         from server.certs import make_node_keys
 
-        key, _ = make_node_keys(self.certs, "unregistered")
-        node = self._node(index, self.node_config(index), key if self.secure else None, "unregistered")
+        name = "unregistered" if with_key else "keyless"
+        key = make_node_keys(self.certs, name)[0] if with_key and self.secure else None
+        node = self._node(index, self.node_config(index), key, name)
         self.extra.append(node)
         return node.start()
 

@@ -49,20 +49,61 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the process group of ``proc`` (it must be a session leader), then SIGKILL."""
+    """SIGTERM the process group of ``proc`` (it must be a session leader), then SIGKILL.
+
+    Flower 1.39 starts ``flower-superexec`` and the app processes *detached* (in their own
+    sessions), so descendants outside the group are signalled too (they would otherwise
+    linger until they notice their parent is gone)."""
     if proc.poll() is not None and not _group_alive(proc.pid):
         return
+    detached = [p for p in _descendants(proc.pid) if _pgid(p) not in (proc.pid, None)]
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
+    _signal_all(detached, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(proc.pid):
+    while time.monotonic() < deadline and (_group_alive(proc.pid) or any(map(_pid_alive, detached))):
         time.sleep(0.1)
         with contextlib.suppress(Exception):
             proc.poll()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    _signal_all([p for p in detached if _pid_alive(p)], signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=2)
+
+
+def _descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children, grandchildren, ...), via ``ps``."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):
+            child, parent = (int(x) for x in line.split())
+            children.setdefault(parent, []).append(child)
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _pid_alive(pid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return bool(out.stdout.strip()) and not out.stdout.strip().startswith("Z")
 
 
 def _group_alive(pgid: int) -> bool:

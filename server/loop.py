@@ -17,7 +17,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from server.checkpoint import CheckpointError, load_checkpoint, rng_state_groups, restore_rng_state, save_checkpoint
+from server.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state_groups,
+    save_checkpoint,
+)
 from server.results import RunRecorder
 from strategies.base import PersonalizedStrategy
 from strategies.protocol import to_record

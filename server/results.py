@@ -42,7 +42,7 @@ class RunRecorder:
         self.metrics_path = self.dir / METRICS_FILE
         self.rounds: list[dict[str, Any]] = []
         if resume and self.metrics_path.exists():
-            self.rounds = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+            self.rounds = _read_rounds(self.metrics_path)
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
@@ -69,6 +69,17 @@ class RunRecorder:
             summary["plot_error"] = str(err)
             atomic_write_text(self.dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         return summary
+
+
+def _read_rounds(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl lines; a last line cut short by a killed run is dropped."""
+    rounds = []
+    for line in path.read_text().splitlines():
+        try:
+            rounds.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rounds
 
 
 def _eval_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:

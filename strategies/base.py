@@ -17,6 +17,7 @@ whatever keys the clients uploaded.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,16 @@ class RoundLog:
     rejected: dict[str, str] = field(default_factory=dict)
     bytes_down: dict[str, int] = field(default_factory=dict)
     bytes_up: dict[str, int] = field(default_factory=dict)
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """A client error for the metrics: no ANSI colours, no traceback, the message only."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(reason))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+    msg = next((ln.split("Message:", 1)[1].strip() for ln in reversed(lines) if "Message:" in ln), "")
+    if not msg:
+        msg = lines[-1] if lines else text
+    return msg.strip(" '>\"")[:limit]
 
 
 def client_sort_key(cid: str) -> tuple[int, int, str]:
@@ -274,8 +285,8 @@ class PersonalizedStrategy(Strategy):
             node = msg.metadata.src_node_id
             answered.add(node)
             if msg.has_error():
-                self.round_log.failed[self._label(node)] = f"client error: {msg.error.reason}"
-                log(WARNING, "client %s failed: %s", self._label(node), msg.error.reason)
+                self.round_log.failed[self._label(node)] = f"client error: {short_reason(msg.error.reason)}"
+                log(WARNING, "client %s failed: %s", self._label(node), self.round_log.failed[self._label(node)])
                 continue
             metrics = dict(msg.content.metric_records[METRICS_KEY].items()) \
                 if METRICS_KEY in msg.content.metric_records else {}
@@ -323,7 +334,8 @@ class PersonalizedStrategy(Strategy):
             raise RoundFailedError(
                 f"round {server_round}: only {len(updates)} valid replies, min_train_clients="
                 f"{self.min_train_clients}; missing or rejected: "
-                + (", ".join(f"{c} ({r})" for c, r in problems.items()) or "none sampled")
+                + (", ".join(f"{c} ({problems[c]})" for c in sorted(problems, key=client_sort_key))
+                   or "none sampled")
             )
         absent = set(self.round_log.failed) | set(self.round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
@@ -363,7 +375,7 @@ class PersonalizedStrategy(Strategy):
         for msg in replies:
             answered.add(msg.metadata.src_node_id)
             if msg.has_error():
-                eval_failed[self._label(msg.metadata.src_node_id)] = msg.error.reason
+                eval_failed[self._label(msg.metadata.src_node_id)] = short_reason(msg.error.reason)
                 continue
             rec = msg.content.metric_records.get(METRICS_KEY)
             metrics = dict(rec.items()) if rec is not None else {}

@@ -26,10 +26,14 @@ from flwr.common.logger import log
 from learning.models import parameter_groups
 from learning.params import NDArrays, num_bytes
 from strategies.base import ClientUpdate, PersonalizedStrategy
-from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
-
-HEAD_DIGEST_KEY = "head-sha256"
-HEAD_STORED_METRIC = "head_stored"
+from strategies.fedbabu_math import (
+    HEAD_DIGEST_KEY,
+    HEAD_STORED_METRIC,
+    average_body,
+    head_digest,
+    init_head,
+    split_head,
+)
 
 
 class FedBABU(PersonalizedStrategy):

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
@@ -27,7 +26,7 @@ from client.trainer import MODEL_PREFIX, ClientRound
 from learning.config import compose_config
 from learning.data import DatasetError, build_federated_data, load_federated_data, num_clients
 from learning.models import build_model
-from learning.params import get_arrays, set_arrays
+from learning.params import get_arrays
 from learning.training import OptimConfig, train_epochs
 from strategies.base import ClientUpdate
 from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
@@ -110,8 +109,8 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
 
     def spy(model, ds, opt, device, seed=0, trainable=None, extra_loss=None, optimizer=None):
         # the penalty the trainer will minimise, evaluated on theta_k before training
-        seen["extra"] = None if extra_loss is None else float(extra_loss(model, None, None,
-                                                                         torch.zeros(1)))
+        seen["extra"] = None if extra_loss is None else float(
+            extra_loss(model, None, None, torch.zeros(1)).detach())
         seen["start"] = get_arrays(model)
         return real(model, ds, opt, device, seed=seed, trainable=trainable,
                     extra_loss=extra_loss, optimizer=optimizer)
@@ -141,7 +140,8 @@ def test_penalty_pulls_towards_propagated_parameters():
     """With a large lambda (eps floor = 50) theta_k ends much closer to theta_hat_k."""
     dist = {}
     for eps in (1e-8, 50.0):
-        cfg = _cfg(f"strategy.eps={eps}", "train.lr=0.005")
+        cfg = _cfg(f"strategy.eps={eps}", "train.lr=0.005", "train.momentum=0",
+                   "train.local_epochs=3")
         rnd = _round(cfg)
         own, hat = _model(cfg, 1), _model(cfg, 3)
         state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
@@ -312,11 +312,16 @@ class _Grid:
         return self.nodes
 
 
-def test_configure_train_asks_only_for_missing_bases():
+def test_configure_train_asks_only_for_missing_bases(monkeypatch):
     from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_node_id", "_task_id"):  # Message() outside a Flower run
+        monkeypatch.setattr(TaskIdentity, attr, 1)
 
     rng = np.random.default_rng(2)
     s = _strategy(3)
+    s.node_to_client = {11: "0", 12: "1", 13: "2"}  # as identified by the base class
     msgs = list(s.configure_train(1, ArrayRecord(), ConfigRecord({}), _Grid([11, 12, 13])))
     assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,1,2"}
     s.aggregate_updates(1, [_update("1", rng, np.eye(6)[:, :1])])
@@ -432,8 +437,9 @@ def test_imbalanced_option_capped_and_errors():
     ("fedora-digits-rotated", "digits-rotated", 12, "mlp"),
     ("fedora-digits-rotated-imbalanced", "digits-rotated", 12, "mlp"),
 ])
-def test_experiment_configs_compose(exp, dataset, clients, model):
-    cfg = compose_config({}, [f"experiment={exp}", "dataset.root=/nonexistent"])
+def test_experiment_configs_compose(tmp_path, exp, dataset, clients, model):
+    root = f"dataset.root={tmp_path}"  # an existing folder (composition only, no loading)
+    cfg = compose_config({}, [f"experiment={exp}", root])
     assert cfg.strategy.name == "fedora" and cfg.dataset.name == dataset
     assert cfg.model.name == model and num_clients(cfg.dataset) == clients
     t = cfg.train
@@ -447,7 +453,7 @@ def test_experiment_configs_compose(exp, dataset, clients, model):
     if exp.endswith("imbalanced"):
         assert cfg.dataset.imbalanced_client >= 0 and cfg.dataset.imbalance_factor > 1
     # the baselines run on the same setting
-    other = compose_config({}, [f"experiment={exp}", "dataset.root=/nonexistent", "strategy=local"])
+    other = compose_config({}, [f"experiment={exp}", root, "strategy=local"])
     assert other.strategy.name == "local" and other.train.lr == 5e-3
 
 
@@ -470,3 +476,33 @@ def test_pflower_run_fedora_end_to_end(tmp_path):
     assert up1 - up2 == 12 * 64 * 8
     assert np.load(run / "similarity.npy").shape == (12, 12)
     assert (run / "similarity.png").exists()
+
+
+def test_compare_r_acc_and_ptr_against_local(tmp_path):
+    """R-Acc = mean_k (acc_k - acc_k^local) / acc_k^local, PTR = share of clients > Local."""
+    from server.compare import compare_runs, relative_to_local
+
+    def run(name, strategy, seed, accs):
+        d = tmp_path / name
+        d.mkdir()
+        summary = {"strategy": strategy, "dataset": "digits-rotated", "model": "mlp", "seed": seed,
+                   "accuracy_mean": float(np.mean(accs)), "accuracy_min": float(min(accs)),
+                   "best_accuracy_mean": float(np.mean(accs)),
+                   "clients": {str(i): {"accuracy": a} for i, a in enumerate(accs)}}
+        (d / "summary.json").write_text(json.dumps(summary))
+        return d
+
+    dirs = [run("l0", "local", 0, [0.5, 0.8, 0.4]), run("f0", "fedora", 0, [0.6, 0.8, 0.3]),
+            run("l1", "local", 1, [0.5, 0.5, 0.5]), run("f1", "fedora", 1, [0.55, 0.6, 0.5])]
+    r_acc, ptr = relative_to_local(
+        {**json.loads((dirs[1] / "summary.json").read_text()), "_dir": "f0"},
+        {**json.loads((dirs[0] / "summary.json").read_text()), "_dir": "l0"})
+    assert r_acc == pytest.approx((0.2 + 0.0 - 0.25) / 3)
+    assert ptr == pytest.approx(1 / 3)  # ties do not count as positive transfer
+    table = compare_runs(dirs)
+    row = next(line for line in table.splitlines() if line.startswith("| fedora"))
+    want_r = np.mean([(0.2 + 0.0 - 0.25) / 3, (0.1 + 0.2 + 0.0) / 3])
+    want_p = np.mean([1 / 3, 2 / 3])
+    assert f"{want_r:.4f} ±" in row and f"{want_p:.4f} ±" in row
+    local_row = next(line for line in table.splitlines() if line.startswith("| local"))
+    assert "0.0000 ± 0.0000" in local_row

@@ -1,0 +1,63 @@
+"""Aggregation cost per round: FedAvg vs FDSE's MGDA consensus and attention vs FEDORA's
+propagation, for K clients and a model of d parameters (split into tensors like a CNN's).
+
+    python bench/bench_aggregation.py --clients 10 50 --params 1e5 1e6
+
+Prints seconds per aggregation (median of --repeats) and the ratio to FedAvg. The design's
+performance model: FedAvg is one memory-bound pass over K x d numbers; the other rules
+should stay within a small factor of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from learning.params import weighted_mean
+from strategies.fdse_math import attention_mix_many, consensus_update_many
+from strategies.fedora_math import propagate_many
+
+
+def make_clients(k: int, d: int, tensors: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    sizes = np.full(tensors, d // tensors)
+    return [{f"t{i}": rng.normal(size=int(s)).astype(np.float32) for i, s in enumerate(sizes)} for _ in range(k)]
+
+
+def timeit(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, nargs="+", default=[10, 50])
+    ap.add_argument("--params", type=float, nargs="+", default=[1e5, 1e6])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print("| K | d | FedAvg s | MGDA consensus s (x) | attention mix s (x) | propagation s (x) |")
+    print("|---|---|---|---|---|---|")
+    for k in args.clients:
+        for d in (int(p) for p in args.params):
+            clients = make_clients(k, d)
+            weights = [1.0] * k
+            w = np.random.default_rng(1).random((k, k))
+            np.fill_diagonal(w, 0)
+            t_avg = timeit(lambda: weighted_mean(clients, weights), args.repeats)
+            t_mgda = timeit(lambda: consensus_update_many(clients), args.repeats)
+            t_att = timeit(lambda: attention_mix_many(clients, 0.5), args.repeats)
+            stacked = {key: np.stack([c[key] for c in clients]) for key in clients[0]}
+            t_prop = timeit(lambda: propagate_many(stacked, w, 4.0), args.repeats)
+            print(f"| {k} | {d:.0e} | {t_avg:.4f} | {t_mgda:.4f} ({t_mgda / t_avg:.1f}) | "
+                  f"{t_att:.4f} ({t_att / t_avg:.1f}) | {t_prop:.4f} ({t_prop / t_avg:.1f}) |")
+
+
+if __name__ == "__main__":
+    main()

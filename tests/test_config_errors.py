@@ -1,0 +1,126 @@
+"""Bad input fails before training: ``pflower run`` exits 2 with one clear message and
+starts no Flower process (the launcher is replaced by one that fails the test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from learning.config import ConfigError, compose_config, group_options
+from server import cli, launch
+from server.checkpoint import save_checkpoint
+from server.loop import checkpoint_identity
+
+
+@pytest.fixture(autouse=True)
+def no_flower(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Flower process was started for invalid input")
+
+    monkeypatch.setattr(launch, "simulation_superlink", forbidden)
+    monkeypatch.setattr(launch, "flwr_run", forbidden)
+
+
+def run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
+    code = cli.main(["run", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rounds=-1", "rounds must be >= 1, got -1"),
+    ("rounds=0", "rounds must be >= 1, got 0"),
+    ("rounds=abc", "rounds must be an integer, got 'abc'"),
+    ("fraction_train=0", "fraction_train must be in (0, 1], got 0.0"),
+    ("fraction_train=1.5", "fraction_train must be in (0, 1], got 1.5"),
+    ("fraction_train=-0.2", "fraction_train must be in (0, 1], got -0.2"),
+    ("min_train_clients=0", "min_train_clients must be >= 1"),
+    ("round_timeout=0", "round_timeout must be > 0 seconds"),
+    ("checkpoint_every=-1", "checkpoint_every must be >= 0"),
+    ("norm_bound=-1", "norm_bound must be >= 0"),
+    ("train.lr=0", "train.lr must be > 0"),
+    ("seed=1.5", "seed must be an integer, got 1.5"),
+])
+def test_invalid_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
+    code, err = run(capsys, override, f"results_root={tmp_path}")
+    assert code == 2
+    assert message in err, err
+    assert not (tmp_path / "fedavg-digits-domains-cnn-s0").exists()
+
+
+def test_all_problems_in_one_message(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(capsys, "rounds=-3", "fraction_train=2", "train.batch_size=0")
+    assert code == 2
+    assert err.count("\n  - ") == 3 and err.startswith("pflower: invalid configuration:")
+
+
+@pytest.mark.parametrize("group", ["strategy", "dataset", "model"])
+def test_unknown_names_list_the_valid_ones(capsys: pytest.CaptureFixture[str], group: str) -> None:
+    code, err = run(capsys, f"{group}=nope")
+    assert code == 2
+    assert f"unknown {group} 'nope'; valid {group} names: " in err
+    assert ", ".join(group_options(group)) in err
+
+
+def test_missing_dataset_root(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run(capsys, "dataset=cifar10")
+    assert code == 2 and "needs a data folder" in err and "dataset.root" in err
+    code, err = run(capsys, "dataset=cifar10", f"dataset.root={tmp_path / 'absent'}")
+    assert code == 2 and "does not exist" in err and "absent" in err
+
+
+def test_not_key_value(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(capsys, "fedbn")
+    assert code == 2 and "is not KEY=VALUE" in err
+
+
+# ---------------------------------------------------------------- resume
+def _fake_run(root: Path, strategy: str = "fedbn", rnd: int = 2, seed: int = 0) -> Path:
+    cfg = compose_config({"strategy": strategy, "seed": str(seed)})
+    run_dir = root / "old"
+    save_checkpoint(run_dir, rnd, {"global": {"w": np.zeros(2, np.float32)}},
+                    {**checkpoint_identity(cfg, 8), "strategy_state": {}})
+    return run_dir
+
+
+def test_resume_of_a_missing_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run(capsys, "strategy=fedbn", f"resume={tmp_path / 'nothing'}")
+    assert code == 2 and "is not a run folder" in err
+
+
+def test_resume_without_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    code, err = run(capsys, "strategy=fedbn", f"resume={tmp_path / 'old'}")
+    assert code == 2 and "no checkpoint at" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["strategy=fedavg"], "strategy='fedbn', this run has strategy='fedavg'"),
+    (["strategy=fedbn", "model=mlp"], "model='cnn', this run has model='mlp'"),
+    (["strategy=fedbn", "seed=3"], "seed=0, this run has seed=3"),
+    (["strategy=fedbn", "rounds=1"], "beyond rounds=1"),
+    (["strategy=fedbn", "run_name=other"], "differs from the resumed run folder 'old'"),
+])
+def test_resume_from_another_configuration(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                           overrides: list[str], message: str) -> None:
+    run_dir = _fake_run(tmp_path)
+    code, err = run(capsys, *overrides, f"resume={run_dir}")
+    assert code == 2 and message in err, err
+
+
+def test_resume_from_a_truncated_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run_dir = _fake_run(tmp_path)
+    path = run_dir / "checkpoint" / "server.npz"
+    path.write_bytes(path.read_bytes()[:100])
+    code, err = run(capsys, "strategy=fedbn", f"resume={run_dir}")
+    assert code == 2 and "corrupt" in err and "truncated" in err
+
+
+def test_resume_uses_the_run_folder(tmp_path: Path) -> None:
+    """resume=<dir> makes the run write into <dir>, whatever results_root says."""
+    run_dir = _fake_run(tmp_path)
+    cfg = compose_config({"strategy": "fedbn", "results-root": "/somewhere/else"}, [f"resume={run_dir}"])
+    assert (cfg.run_name, cfg.results_root) == ("old", str(tmp_path.resolve()))
+    with pytest.raises(ConfigError, match="leave run_name out when resuming"):
+        compose_config({"strategy": "fedbn", "run-name": "x"}, [f"resume={run_dir}"])

@@ -1,0 +1,244 @@
+"""The loopback deployment: certificates, node-config, and real SuperLink + 3 SuperNodes runs
+over gRPC, insecure and TLS + SuperNode authentication, with a SuperNode killed and restarted
+mid-run, an unregistered SuperNode refused, and every process stopped on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+from learning.storage import read_meta
+from server import deploy
+from server.certs import make_node_keys, make_tls, san_of, subject_alt_names
+from server.cli import to_toml_run_config
+from server.deploy import Deployment, node_config, parse_node_config, run_result, supernode_command
+
+REPO = Path(__file__).resolve().parent.parent
+# Small and tolerant of a busy 2-core machine: every message starts a ClientApp process.
+FAST = ["wait_for_clients=120", "round_timeout=150", "eval_every=2", "train.local_epochs=1"]
+
+
+# ---------------------------------------------------------------------- fast unit tests
+def test_node_config_round_trips_through_flowers_parser(tmp_path):
+    state = tmp_path / "state dir"  # a space must survive the quoting
+    text = node_config(2, 3, state, data_root="/data/x", client_id="c-2")
+    parsed = parse_node_config(text)
+    assert parsed == {"partition-id": 2, "num-partitions": 3, "client-id": "c-2",
+                      "state-dir": str(state), "data-root": "/data/x"}
+    assert set(parsed) <= set(deploy.NODE_CONFIG_KEYS)
+    assert parse_node_config(node_config(0, 1)) == {"partition-id": 0, "num-partitions": 1}
+    with pytest.raises(ValueError, match="partition-id 3"):
+        node_config(3, 3)
+
+
+def test_supernode_command_flags(tmp_path):
+    insecure = supernode_command("127.0.0.1:9092", node_config(0, 3), 1234)
+    assert "--insecure" in insecure and "--root-certificates" not in insecure
+    assert insecure[insecure.index("--port") + 1] == "1234"
+    secure = supernode_command("link:9092", node_config(0, 3), root_certificates=tmp_path / "ca.crt",
+                               private_key=tmp_path / "k")
+    assert "--insecure" not in secure
+    assert secure[secure.index("--root-certificates") + 1] == str(tmp_path / "ca.crt")
+    assert secure[secure.index("--auth-supernode-private-key") + 1] == str(tmp_path / "k")
+
+
+def test_certificates_have_sans_and_chain_to_the_ca(tmp_path):
+    files = make_tls(tmp_path, ["10.1.2.3", "superlink", "127.0.0.1"])
+    assert san_of(files.server_cert) == ["localhost", "127.0.0.1", "10.1.2.3", "superlink"]
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    server.verify_directly_issued_by(ca)  # raises if the signature or issuer is wrong
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert oct(files.server_key.stat().st_mode)[-3:] == "600"
+    with pytest.raises(ValueError, match="placeholder"):
+        subject_alt_names(["<SUPERLINK_IP>"])
+
+
+def test_node_keys_are_what_flower_accepts(tmp_path):
+    from flwr.cli.supernode.register import try_load_public_key
+
+    private, public = make_node_keys(tmp_path, "supernode-0")
+    key = load_ssh_private_key(private.read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+    assert public.read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert load_ssh_public_key(public.read_bytes()).public_numbers() == key.public_key().public_numbers()
+    assert try_load_public_key(public)  # flwr supernode register's own check
+
+
+def test_run_result_needs_a_fresh_summary(tmp_path):
+    started = time.time() - 1
+    ok, text = run_result(tmp_path, started, 0)
+    assert not ok and "did not complete" in text
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"accuracy_mean": 0.5, "accuracy_min": 0.25, "accuracy_std": 0.1}))
+    assert run_result(tmp_path, started, 0)[0]
+    assert not run_result(tmp_path, started, 1)[0]
+    assert not run_result(tmp_path, time.time() + 10, 0)[0]  # stale summary
+    (tmp_path / "FAILED").write_text("RoundFailedError: boom")
+    ok, text = run_result(tmp_path, started, 0)
+    assert not ok and "boom" in text
+
+
+def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):
+    code = deploy.main(["--nodes", "3", "strategy=fedavg"])  # digits-domains has 8 clients
+    assert code == 2
+    assert "--nodes 8" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- helpers
+def _processes_mentioning(*texts: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(t in line for t in texts)
+            and line.split()[1][0] != "Z" and "ps -eo" not in line]
+
+
+def _leftovers(work: Path) -> list[str]:
+    """Processes of a deployment in ``work``: anything naming the folder, or the loopback
+    ports of its SuperLink / SuperNodes (Flower's detached SuperExec and app processes)."""
+    ports = set(re.findall(r"--port (\d+)", " ".join(
+        p.read_text(errors="replace") for p in work.glob("supernode-*.log"))))
+    ports |= set(re.findall(r"127\.0\.0\.1:(\d+)", " ".join(
+        p.read_text(errors="replace") for p in work.glob("superlink/superlink.log"))))
+    pattern = re.compile(r"127\.0\.0\.1:({})\b".format("|".join(ports))) if ports else None
+    return [line for line in _processes_mentioning("flower-", "flwr", str(work))
+            if str(work) in line or (pattern is not None and pattern.search(line))]
+
+
+def _summary(results: Path, run_name: str) -> dict:
+    path = results / run_name / "summary.json"
+    assert path.exists(), f"no {path}"
+    return json.loads(path.read_text())
+
+
+def _check_summary(s: dict, rounds: int) -> None:
+    assert s["status"] == "completed" and s["rounds"] == rounds
+    assert set(s["clients"]) == {"0", "1", "2"}
+    assert 0.0 <= s["accuracy_min"] <= s["accuracy_mean"] <= 1.0
+    assert s["accuracy_mean"] > 0.15  # better than chance (0.1) after 2 rounds on digits
+
+
+def _rounds(results: Path, run_name: str) -> list[dict]:
+    path = results / run_name / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run_cfg(strategy: str, run_name: str, results: Path, rounds: int = 2) -> str:
+    return to_toml_run_config({"experiment": "deploy-3", "strategy": strategy, "rounds": str(rounds),
+                               "run-name": run_name, "results-root": str(results)}, FAST)
+
+
+# ---------------------------------------------------------------------- deployments
+@pytest.mark.slow
+def test_insecure_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
+    """``pflower deploy --mode insecure``: 3 SuperNodes, FedAvg then FedBN for 2 rounds
+    each against the same SuperLink; results checked; no process left behind."""
+    work = tmp_path / "work"
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "server.cli", "deploy", "--mode", "insecure", "--workdir", str(work),
+           "--timeout", "400", "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2",
+           f"results_root={results}", *FAST]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("pflower deploy: done") == 2
+    for strategy in ("fedavg", "fedbn"):
+        runs = [p.name for p in results.iterdir() if p.name.startswith(strategy + "-")]
+        assert len(runs) == 1, runs
+        _check_summary(_summary(results, runs[0]), 2)
+        recs = _rounds(results, runs[0])
+        assert [r["round"] for r in recs] == [1, 2]
+        assert all(sorted(r["sampled"]) == ["0", "1", "2"] and not r["failed"] for r in recs)
+        # each SuperNode kept its state in its own node-config state-dir
+        for i in range(3):
+            assert list((work / "nodes" / str(i) / "state" / runs[0] / str(i)).glob("state-r*.npz"))
+    assert not _leftovers(work), "processes left behind"
+
+
+@pytest.mark.slow
+def test_tls_auth_deployment_restart_and_unregistered_node(tmp_path):
+    """TLS + SuperNode authentication: an unregistered SuperNode is refused; FedAvg runs 2
+    rounds; FedBN runs 2 rounds while SuperNode 1 is killed after round 1 and restarted
+    with the same node-config: it continues from its saved state and the run completes."""
+    results = tmp_path / "results"
+    with Deployment(3, "tls", workdir=tmp_path / "work") as dep:
+        # registered keys only: a SuperNode with a fresh, unregistered key is refused
+        rogues = {"[code: 2004] Failed to activate SuperNode": dep.start_unregistered_node(),
+                  "SuperNode authentication is enabled. All SuperNodes must be registered":
+                  dep.start_unregistered_node(with_key=False)}
+        for reason, rogue in rogues.items():
+            assert rogue.proc.wait(timeout=120) != 0
+            log = rogue.log_path.read_text()
+            assert reason in log and "Exit Code: 305" in log, log[-2000:]  # 305: refused
+        assert dep.link.proc.poll() is None and all(n.running for n in dep.nodes)
+        assert "https://" in (dep.link.workdir / "superlink.log").read_text()  # TLS is on
+
+        code = dep.run(_run_cfg("fedavg", "tls-fedavg", results), timeout=400)
+        assert code == 0
+        assert run_result(results / "tls-fedavg", 0, code)[0], dep.logs()
+        _check_summary(_summary(results, "tls-fedavg"), 2)
+
+        # FedBN with a SuperNode killed after round 1 and restarted
+        holder: dict[str, int] = {}
+        runner = threading.Thread(target=lambda: holder.setdefault(
+            "code", dep.run(_run_cfg("fedbn", "tls-fedbn", results), timeout=400)))
+        runner.start()
+        deadline = time.monotonic() + 400
+        while not _rounds(results, "tls-fedbn") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _rounds(results, "tls-fedbn"), "round 1 never finished:" + dep.logs()
+        old_pid = dep.nodes[1].proc.pid
+        dep.nodes[1].stop()
+        assert not _processes_mentioning(str(dep.state_dir(1)))  # the whole group is gone
+        node = dep.nodes[1].start()
+        assert node.proc.pid != old_pid and node.starts == 2
+        runner.join(timeout=420)
+        assert holder.get("code") == 0, dep.logs()
+
+    assert run_result(results / "tls-fedbn", 0, 0)[0]
+    recs = _rounds(results, "tls-fedbn")
+    assert [r["round"] for r in recs] == [1, 2]
+    assert recs[-1]["clients"].keys() == {"0", "1", "2"}  # every client evaluated at the end
+    state_dir = tmp_path / "work" / "nodes" / "1" / "state" / "tls-fedbn" / "1"
+    versions = sorted(state_dir.glob("state-r*.npz"))
+    assert versions, f"no state in {state_dir}"
+    meta = read_meta(versions[-1])
+    # the restarted process trained round 2 on top of the state the first process saved
+    assert meta.get("trained_rounds") == [1, 2], meta
+    log = (tmp_path / "work" / "supernode-1.log").read_text().split("===== pflower: start #2")[1]
+    assert "Receiving: train message" in log  # ... and it was the restarted SuperNode
+    assert not _leftovers(tmp_path / "work")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path):
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "server.cli", "deploy", "--mode", "tls", "--workdir", str(work),
+           "experiment=deploy-3", "strategy=fedavg", "rounds=50", f"results_root={tmp_path}", *FAST]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # wait until the run was submitted
+        lines.append(line)
+        if "pflower deploy: flwr run" in line:
+            break
+    else:
+        pytest.fail("".join(lines[-40:]))
+    time.sleep(3)
+    assert _processes_mentioning(str(work)), "nothing was started?"
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines[-20:]) + rest[-3000:]
+    assert "interrupted" in rest
+    left = _leftovers(work)
+    assert not left, left

@@ -1,0 +1,456 @@
+"""Resilience: misbehaving updates, failing clients, checkpoints, client state, no pickle.
+
+Unit tests drive :class:`PersonalizedStrategy` with hand-built Flower Messages through a
+fake Grid (no Flower processes). The end-to-end test at the bottom runs ``pflower run``:
+an uninterrupted fedbn run where client 1 crashes in round 2, the same run SIGKILLed
+after round 2 and resumed (final metrics must match), and a run with too few clients
+(must fail with the named clients, non-zero exit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client.state import ClientStateStore
+from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
+from server.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state_groups,
+    save_checkpoint,
+)
+from strategies.base import ClientUpdate, PersonalizedStrategy, RoundFailedError, validate_arrays
+from strategies.protocol import make_reply, to_record
+
+REPO = Path(__file__).resolve().parent.parent
+
+REF = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32), "n": np.array(0, np.int64)}
+
+
+@pytest.fixture(autouse=True)
+def task_identity() -> None:
+    """Messages can only be created inside a Flower task; pretend to be one."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+
+
+class FakeGrid:
+    """A Grid whose nodes answer through ``handler(client_id, message) -> Message | None``
+    (None = no reply). Node ids are arbitrary per instance, as in Flower."""
+
+    def __init__(self, client_ids: list[str], handler: Callable[[str, Message], Message | None],
+                 node_base: int = 1000) -> None:
+        self.node_of = {cid: node_base + 7 * i + 3 for i, cid in enumerate(reversed(client_ids))}
+        self.client_of = {n: c for c, n in self.node_of.items()}
+        self.handler = handler
+        self.timeouts: list[float | None] = []
+        self.sent: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.client_of)
+
+    def send_and_receive(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
+        self.timeouts.append(timeout)
+        out = []
+        for msg in messages:
+            self.sent.append(msg)
+            cid = self.client_of[msg.metadata.dst_node_id]
+            if msg.metadata.message_type == MessageType.QUERY:
+                out.append(make_reply(msg, {}, {}, cid, 0))
+                continue
+            reply = self.handler(cid, msg)
+            if reply is not None:
+                out.append(reply)
+        return out
+
+
+def upload(value: float, n: int = 10, shape: tuple[int, ...] = (3, 2)) -> Callable[[str, Message], Message]:
+    """A client that uploads w = value (with the given shape), b = value."""
+    def reply(cid: str, msg: Message) -> Message:
+        arrays = {"w": np.full(shape, value, np.float32), "b": np.full(2, value, np.float32),
+                  "n": np.array(1, np.int64)}
+        return make_reply(msg, arrays, {"loss": 1.0}, cid, n)
+    return reply
+
+
+def error(cid: str, msg: Message) -> Message:
+    return Message(Error(code=0, reason="RuntimeError: injected fault"), reply_to=msg)
+
+
+def clients(behaviour: dict[str, Callable[[str, Message], Message | None]]) -> Callable[[str, Message], Message | None]:
+    return lambda cid, msg: behaviour[cid](cid, msg)
+
+
+class PersonalMean(PersonalizedStrategy):
+    """A toy personalised rule: every client's personal "b" becomes the round's mean "b"
+    (so a careless rule would also touch absent clients: the base class must undo that)."""
+
+    name = "toy"
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        super().aggregate_updates(server_round, updates)
+        mean_b = np.mean([u.arrays["b"] for u in updates], axis=0)
+        for cid in self.client_ids:
+            self.personal[cid] = {"b": mean_b.copy()}
+
+
+def strategy(cls: type[PersonalizedStrategy] = PersonalizedStrategy, n: int = 4, **kw: object) -> PersonalizedStrategy:
+    kw.setdefault("min_train_clients", 2)
+    kw.setdefault("wait_for_clients", 1.0)
+    return cls(initial_arrays=dict(REF), client_ids=[str(i) for i in range(n)], **kw)  # type: ignore[arg-type]
+
+
+def run_round(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> None:
+    msgs = list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
+    st.aggregate_train(rnd, grid.send_and_receive(msgs, timeout=5.0))
+
+
+# ---------------------------------------------------------------- misbehaving updates
+def test_validate_arrays_names_every_problem() -> None:
+    good = {"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}
+    assert validate_arrays(good, REF) is None
+    assert "unknown array names" in validate_arrays({**good, "zzz": np.ones(1, np.float32)}, REF)
+    assert "shape (2, 3)" in validate_arrays({**good, "w": np.ones((2, 3), np.float32)}, REF)
+    assert "dtype float64" in validate_arrays({**good, "w": np.ones((3, 2))}, REF)
+    nan = np.ones((3, 2), np.float32)
+    nan[1, 1] = np.nan
+    assert "NaN or Inf" in validate_arrays({**good, "w": nan}, REF)
+    assert "NaN or Inf" in validate_arrays({**good, "b": np.array([1, np.inf], np.float32)}, REF)
+    # norm bound on the update against what was sent: ||(1,..)-0|| = sqrt(8) ~ 2.83
+    assert validate_arrays(good, REF, norm_bound=3.0, base=REF) is None
+    assert "exceeds the bound" in validate_arrays(good, REF, norm_bound=2.5, base=REF)
+
+
+def test_nan_and_wrong_shape_updates_are_rejected_and_not_aggregated(caplog: pytest.LogCaptureFixture) -> None:
+    st = strategy()
+    nan = upload(float("nan"))
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0, n=10), "1": upload(4.0, n=30),
+                                            "2": nan, "3": upload(9.0, shape=(2, 3))}))
+    with caplog.at_level("WARNING"):
+        run_round(st, grid)
+    log = st.round_log
+    assert set(log.rejected) == {"2", "3"} and not log.failed
+    assert "NaN" in log.rejected["2"] and "shape (2, 3)" in log.rejected["3"]
+    assert "rejected the update of client 2" in caplog.text and "rejected the update of client 3" in caplog.text
+    # the aggregate is the sample-weighted mean of the two valid clients only
+    np.testing.assert_allclose(st.global_arrays["w"], np.full((3, 2), (10 * 1.0 + 30 * 4.0) / 40))
+    assert np.all(np.isfinite(st.global_arrays["b"]))
+    assert log.replied == ["0", "1"]
+
+
+def test_norm_bound_rejects_large_updates() -> None:
+    st = strategy(norm_bound=5.0)
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": upload(1.0),
+                                            "3": upload(100.0)}))
+    run_round(st, grid)
+    assert list(st.round_log.rejected) == ["3"] and "exceeds the bound" in st.round_log.rejected["3"]
+    np.testing.assert_allclose(st.global_arrays["w"], 1.0)
+
+
+# ---------------------------------------------------------------- failing clients
+def test_failed_client_round_completes_and_its_personal_state_is_unchanged() -> None:
+    st = strategy(PersonalMean, n=3)
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(2.0), "2": upload(3.0)}))
+    run_round(st, grid, 1)
+    before = {c: {k: v.copy() for k, v in p.items()} for c, p in st.personal.items()}
+    np.testing.assert_allclose(before["1"]["b"], 2.0)
+    # round 2: client 1 raises, the others upload new values
+    grid.handler = clients({"0": upload(5.0), "1": error, "2": upload(7.0)})
+    run_round(st, grid, 2)
+    assert list(st.round_log.failed) == ["1"] and "injected fault" in st.round_log.failed["1"]
+    np.testing.assert_allclose(st.global_arrays["w"], 6.0)          # mean of clients 0 and 2
+    np.testing.assert_allclose(st.personal["0"]["b"], 6.0)          # updated
+    np.testing.assert_array_equal(st.personal["1"]["b"], before["1"]["b"])  # unchanged
+
+
+def test_too_few_replies_fail_the_round_naming_the_missing_clients() -> None:
+    st = strategy(n=3, min_train_clients=3, cfg={"round_timeout": 7.0})
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": error, "2": lambda c, m: None}))
+    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    with pytest.raises(RoundFailedError) as err:
+        st.aggregate_train(1, grid.send_and_receive(msgs, timeout=7.0))
+    text = str(err.value)
+    assert "only 1 valid replies" in text and "min_train_clients=3" in text
+    assert "1 (client error: RuntimeError: injected fault)" in text
+    assert "2 (no reply within the round timeout)" in text
+    assert grid.timeouts and all(t == 7.0 for t in grid.timeouts)  # every wait is bounded
+
+
+def test_waiting_for_clients_is_bounded() -> None:
+    st = strategy(n=4, min_train_clients=3, wait_for_clients=0.6)
+    grid = FakeGrid(["0", "1"], upload(1.0))
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailedError, match=r"only 2 of 4 clients connected within 1s"):
+        list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_sampling_is_by_client_id_and_survives_a_checkpoint() -> None:
+    """Same seed -> same clients sampled although node ids differ between runs; after a
+    checkpoint round trip the next round samples what an uninterrupted run samples."""
+    def sampled(st: PersonalizedStrategy, grid: FakeGrid, rnd: int) -> list[str]:
+        msgs = st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid)
+        return [grid.client_of[m.metadata.dst_node_id] for m in msgs]
+
+    a, b = strategy(n=8, fraction_train=0.5, seed=3), strategy(n=8, fraction_train=0.5, seed=3)
+    ga, gb = FakeGrid(a.client_ids, upload(1.0), 1000), FakeGrid(b.client_ids, upload(1.0), 55555)
+    first = sampled(a, ga, 1)
+    assert first == sampled(b, gb, 1) and len(first) == 4
+    resumed = strategy(n=8, fraction_train=0.5, seed=3)
+    resumed.load_state_arrays(a.state_arrays())
+    resumed.load_state_meta(json.loads(json.dumps(a.state_meta())))
+    assert sampled(resumed, FakeGrid(a.client_ids, upload(1.0), 777), 2) == sampled(a, ga, 2)
+
+
+def test_personal_arrays_reach_their_client_after_a_resume() -> None:
+    """A resumed server knows no node ids: it identifies nodes (QUERY) before sending, so
+    every client gets its own personal arrays in the first round after the resume."""
+    st = strategy(PersonalMean, n=3)
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(2.0), "2": upload(3.0)}))
+    run_round(st, grid)
+    st.personal["2"] = {"b": np.array([42.0, 43.0], np.float32)}
+    resumed = strategy(PersonalMean, n=3)
+    resumed.load_state_arrays(st.state_arrays())
+    new_grid = FakeGrid(st.client_ids, upload(1.0), node_base=98765)
+    msgs = list(resumed.configure_train(2, to_record(resumed.global_arrays), ConfigRecord({}), new_grid))
+    by_client = {new_grid.client_of[m.metadata.dst_node_id]: m for m in msgs}
+    got = by_client["2"].content.array_records["arrays"]["b"].numpy()
+    np.testing.assert_array_equal(got, [42.0, 43.0])
+
+
+# ---------------------------------------------------------------- checkpoints
+def _checkpoint(tmp_path: Path, strategy_name: str = "fedbn") -> Path:
+    groups = {"global": {"w": np.arange(6, dtype=np.float32).reshape(3, 2)},
+              "personal/1": {"b": np.ones(2, np.float32)}}
+    save_checkpoint(tmp_path, 2, groups, {"strategy": strategy_name, "model": "cnn", "strategy_state": {"x": 1}})
+    return tmp_path / "checkpoint" / "server.npz"
+
+
+def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    _checkpoint(tmp_path)
+    rnd, groups, meta = load_checkpoint(tmp_path, {"strategy": "fedbn", "model": "cnn"})
+    assert rnd == 2 and meta["strategy_state"] == {"x": 1}
+    np.testing.assert_array_equal(groups["global"]["w"], np.arange(6).reshape(3, 2))
+    np.testing.assert_array_equal(groups["personal/1"]["b"], [1, 1])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_damaged_checkpoint_is_refused(tmp_path: Path, damage: str) -> None:
+    path = _checkpoint(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) * 2 // 3]
+    elif damage == "flip":  # one byte inside the first array's data
+        i = data.index(np.arange(6, dtype=np.float32).tobytes())
+        data[i + 5] ^= 0xFF
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(tmp_path, {"strategy": "fedbn"})
+    with pytest.raises(CheckpointError, match="corrupt"):
+        check_checkpoint(tmp_path, {"strategy": "fedbn"})
+
+
+def test_checkpoint_of_another_strategy_or_model_is_refused(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, "fedavg")
+    with pytest.raises(CheckpointError, match="strategy='fedavg', this run has strategy='fedbn'"):
+        load_checkpoint(tmp_path, {"strategy": "fedbn", "model": "cnn"})
+    with pytest.raises(CheckpointError, match="model='cnn', this run has model='mlp'"):
+        check_checkpoint(tmp_path, {"strategy": "fedavg", "model": "mlp"})
+    with pytest.raises(CheckpointError, match="beyond rounds=1"):
+        check_checkpoint(tmp_path, {"strategy": "fedavg"}, rounds=1)
+
+
+def test_a_write_killed_midway_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _checkpoint(tmp_path)
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt("killed before the rename")
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, {"global": {"w": np.zeros((3, 2), np.float32)}}, {"strategy": "fedbn"})
+    monkeypatch.undo()
+    rnd, groups, _ = load_checkpoint(tmp_path, {"strategy": "fedbn"})
+    assert rnd == 2 and groups["global"]["w"][2, 1] == 5
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir() if p.name.startswith(".")] == []
+
+
+def test_global_rng_states_round_trip() -> None:
+    import random
+
+    import torch
+
+    arrays, meta = rng_state_groups()
+    meta = json.loads(json.dumps(meta))
+    expect = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.random(), np.random.rand(), torch.rand(1)
+    restore_rng_state(arrays, meta)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
+
+
+# ---------------------------------------------------------------- client state
+def _save(store: ClientStateStore, rnd: int, attempt: str) -> None:
+    store.save({"v": np.array([float(rnd)])}, {"last_round": rnd}, server_round=rnd, attempt=attempt)
+
+
+def test_client_state_is_round_consistent_across_a_resume(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path / "c0", checkpoint_every=2)
+    for rnd in (1, 2, 3):
+        _save(store, rnd, attempt="A")
+    assert store.load(max_round=3, resumed_from=0, attempt="A")[0]["v"][0] == 3
+    # the server resumes from its checkpoint of round 2 (attempt B): round 3 of attempt A
+    # must not be used, neither for training round 3 nor for evaluating round 2
+    assert store.load(max_round=2, resumed_from=2, attempt="B")[0]["v"][0] == 2
+    assert store.load(max_round=3, resumed_from=2, attempt="B")[0]["v"][0] == 2
+    _save(store, 3, attempt="B")
+    assert store.load(max_round=3, resumed_from=2, attempt="B")[1] == {"last_round": 3}
+    assert read_meta(store.path_for(3))["_state_attempt"] == "B"
+    # a fresh run of the same name (resume-round 0) ignores all of it
+    assert store.load(max_round=5, resumed_from=0, attempt="C") == ({}, {})
+
+
+def test_client_state_retention_and_stale_versions(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path / "c", checkpoint_every=1)
+    for rnd in range(1, 6):
+        _save(store, rnd, "A")
+    assert sorted(store.versions()) == [4, 5]          # the last two
+    store3 = ClientStateStore(tmp_path / "d", checkpoint_every=3)
+    for rnd in range(1, 9):
+        _save(store3, rnd, "A")
+    assert sorted(store3.versions()) == [6, 7, 8]      # everything since checkpoint 6
+    _save(store3, 7, "B")                              # resumed at 6: round 8 is stale
+    assert sorted(store3.versions()) == [6, 7]
+
+
+def test_context_cache_respects_the_round(tmp_path: Path) -> None:
+    ctx = RecordDict()
+    store = ClientStateStore(tmp_path / "c", ctx)
+    _save(store, 1, "A")
+    _save(store, 2, "A")
+    assert store.load(max_round=1, resumed_from=0, attempt="A")[0]["v"][0] == 1
+    assert ClientStateStore(tmp_path / "c", ctx).load(max_round=2, resumed_from=0, attempt="A")[0]["v"][0] == 2
+
+
+def test_corrupt_client_state_is_reported_not_loaded(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path / "c")
+    _save(store, 1, "A")
+    path = store.path_for(1)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(StateCorruptError):
+        store.load(max_round=1)
+    save_arrays_file(tmp_path / "x.npz", {"a": np.arange(3)}, {})
+    assert load_arrays_file(tmp_path / "x.npz")[0]["a"].tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- no pickle
+def test_no_pickle_anywhere() -> None:
+    bad = []
+    for path in REPO.rglob("*.py"):
+        if any(part in {"tests", ".git", "build", "dist"} for part in path.relative_to(REPO).parts):
+            continue
+        text = path.read_text()
+        for pattern in (r"\bimport pickle\b", r"\bimport cPickle\b", r"\bdill\b", r"\bjoblib\b",
+                        r"allow_pickle\s*=\s*True", r"torch\.load\((?![^)]*weights_only\s*=\s*True)"):
+            if re.search(pattern, text):
+                bad.append(f"{path.relative_to(REPO)}: {pattern}")
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------- end to end
+def _pflower(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "server.cli", "run", *args], cwd=REPO, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _rounds(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
+    """fedbn, 4 rounds, client 1 crashes in round 2.
+    (a) uninterrupted: the round completes without client 1, the failure is recorded;
+    (b) the same run SIGKILLed (the whole process tree) after round 2, then resumed with
+        ``resume=<run dir>``: same final accuracies as (a);
+    (c) too few clients (7 crash, min_train_clients=2): the run fails naming them, exit 1.
+    (a) and (b) run side by side, then the resume and (c)."""
+    from server.cli import kill_tree
+
+    common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
+              "faults.crash_clients=[1]", "faults.crash_round=2"]
+    ref = _pflower([*common, "run_name=ref"], tmp_path / "ref.log")
+    killed = _pflower([*common, "run_name=killed"], tmp_path / "killed.log")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(tmp_path / "killed")):
+            assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.05)
+        kill_tree(killed.pid)
+        killed.wait(timeout=10)
+        done = [r["round"] for r in _rounds(tmp_path / "killed")]
+        assert 2 in done and 4 not in done, done
+        assert not (tmp_path / "killed" / "summary.json").exists()
+
+        resume = _pflower([*common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log")
+        few = _pflower(["strategy=fedbn", "rounds=2", f"results_root={tmp_path}", "run_name=few",
+                        "faults.crash_clients=[0,1,2,3,4,5,6]", "round_timeout=60"], tmp_path / "few.log")
+        assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+        assert resume.wait(timeout=300) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+        assert few.wait(timeout=300) == 1
+    finally:
+        for proc in (ref, killed, locals().get("resume"), locals().get("few")):
+            if proc is not None:
+                kill_tree(proc.pid)
+
+    # (a) the crash of client 1 in round 2 is recorded and the round completed without it
+    rounds = _rounds(tmp_path / "ref")
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert list(rounds[1]["failed"]) == ["1"] and "injected fault" in rounds[1]["failed"]["1"]
+    assert rounds[1]["train"]["clients"] == 7 and rounds[2]["train"]["clients"] == 8
+    # ... and client 1 kept its private state: no version of round 2 was written for it
+    assert not (tmp_path / "ref" / "client_state" / "1" / "state-r000002.npz").exists()
+
+    # (b) the resumed run continued from the checkpoint and ends where (a) ends
+    resumed = _rounds(tmp_path / "killed")
+    assert [r["round"] for r in resumed] == [1, 2, 3, 4]
+    assert "resuming" in (tmp_path / "resume.log").read_text()
+    a = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert b["run_name"] == "killed" and b["rounds"] == 4
+    assert abs(a["accuracy_mean"] - b["accuracy_mean"]) <= 1e-6
+    assert a["clients"].keys() == b["clients"].keys()
+    for cid in a["clients"]:
+        assert abs(a["clients"][cid]["accuracy"] - b["clients"][cid]["accuracy"]) <= 1e-6, cid
+    for ra, rb in zip(rounds, resumed, strict=True):
+        assert abs(ra["evaluate"]["accuracy_mean"] - rb["evaluate"]["accuracy_mean"]) <= 1e-6
+
+    # (c) too few clients: a clear error naming the missing ones, and a non-zero exit
+    log = (tmp_path / "few.log").read_text()
+    failed = (tmp_path / "few" / "FAILED").read_text()
+    assert "min_train_clients=2" in failed and "missing or rejected: 0 (client error" in failed
+    assert all(f"{c} (client error: injected fault" in failed for c in "0123456")
+    assert "pflower: run failed: RoundFailedError" in log

@@ -1,0 +1,58 @@
+"""The shared training loop: frozen parameters stay frozen, options work, proximal term math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from learning.models import build_model
+from learning.training import OptimConfig, evaluate, proximal_term, train_epochs
+
+
+def _data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    return TensorDataset(x, y)
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model({"name": "cnn", "width": 8, "hidden": 16}, (1, 8, 8), 2)
+
+
+def test_frozen_parameters_never_move_with_momentum_and_weight_decay():
+    model = _model()
+    head = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("head.")}
+    body_before = model.features[0].weight.clone()
+    opt = OptimConfig(lr=0.1, momentum=0.9, weight_decay=0.1, epochs=3, batch_size=16)
+    train_epochs(model, _data(), opt, torch.device("cpu"), trainable=lambda n: not n.startswith("head."))
+    for k, v in head.items():
+        assert torch.equal(model.state_dict()[k], v), f"{k} moved"
+    assert not torch.equal(model.features[0].weight, body_before)
+    assert all(p.requires_grad for p in model.parameters()), "requires_grad must be restored"
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_training_reduces_loss_with_and_without_amp(amp):
+    model, ds = _model(), _data(128)
+    before = evaluate(model, ds, torch.device("cpu"))["loss"]
+    train_epochs(model, ds, OptimConfig(lr=0.05, epochs=5, batch_size=16, amp=amp), torch.device("cpu"))
+    assert evaluate(model, ds, torch.device("cpu"))["loss"] < before
+
+
+def test_proximal_term_matches_manual_sum():
+    model = _model()
+    ref = {n: p.detach() + 0.5 for n, p in model.named_parameters()}
+    term = proximal_term(ref, mu=0.2)(model, None, None, torch.zeros(1))
+    manual = 0.5 * 0.2 * sum(float(((p - ref[n]) ** 2).sum()) for n, p in model.named_parameters())
+    assert float(term) == pytest.approx(manual, rel=1e-5)
+
+
+def test_nan_loss_is_a_clear_error():
+    model = _model()
+    x = torch.full((8, 1, 8, 8), float("nan"))
+    with pytest.raises(FloatingPointError, match="lower train.lr"):
+        train_epochs(model, TensorDataset(x, torch.zeros(8, dtype=torch.long)), OptimConfig(batch_size=4),
+                     torch.device("cpu"))
