@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 
@@ -50,11 +51,11 @@ def main() -> None:
             weights = [1.0] * k
             w = np.random.default_rng(1).random((k, k))
             np.fill_diagonal(w, 0)
-            t_avg = timeit(lambda: weighted_mean(clients, weights), args.repeats)
-            t_mgda = timeit(lambda: consensus_update_many(clients), args.repeats)
-            t_att = timeit(lambda: attention_mix_many(clients, 0.5), args.repeats)
             stacked = {key: np.stack([c[key] for c in clients]) for key in clients[0]}
-            t_prop = timeit(lambda: propagate_many(stacked, w, 4.0), args.repeats)
+            t_avg = timeit(partial(weighted_mean, clients, weights), args.repeats)
+            t_mgda = timeit(partial(consensus_update_many, clients), args.repeats)
+            t_att = timeit(partial(attention_mix_many, clients, 0.5), args.repeats)
+            t_prop = timeit(partial(propagate_many, stacked, w, 4.0), args.repeats)
             print(f"| {k} | {d:.0e} | {t_avg:.4f} | {t_mgda:.4f} ({t_mgda / t_avg:.1f}) | "
                   f"{t_att:.4f} ({t_att / t_avg:.1f}) | {t_prop:.4f} ({t_prop / t_avg:.1f}) |")
 

@@ -87,7 +87,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     )
     store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state,
                              checkpoint_every=int(cfg.checkpoint_every))
-    trainer = trainer_class(str(cfg.strategy.name))(cfg)
+    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
     return trainer, rnd, store
 
 

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from client.trainer import MODEL_PREFIX, ClientRound, ClientTrainer, FitResult, prefixed, unprefixed
@@ -42,35 +41,10 @@ class FedAvgFTTrainer(ClientTrainer):
 class FedProxTrainer(ClientTrainer):
     """FedProx: local loss + mu/2 ||w - w_global||^2 (Li et al., MLSys 2020).
 
-    With ``strategy.body_only`` (FedProx+BABU, FedBABU paper Sec. 5.2.4 / Table 6) the head
-    is kept out of the optimiser (frozen, so weight decay and momentum cannot move it), the
-    proximal term covers the body only, only the body is uploaded and averaged, and the
-    personalised accuracy is after fine-tuning (the paper reports initial = global model
-    and personalised = fine-tuned accuracy for this variant). The head stays the server's
-    initial one (it is sent every round and never aggregated).
+    The BABU variant (``strategy.body_only=true``) is ``client.fedbabu.FedProxBABUTrainer``.
     """
 
     name: ClassVar[str] = "fedprox"
-
-    def __init__(self, cfg: DictConfig) -> None:
-        super().__init__(cfg)
-        # instance-level override of the ClassVar: FedProx+BABU is evaluated after fine-tuning
-        self.finetunes = self._body_only()  # type: ignore[misc]
-
-    def _body_only(self) -> bool:
-        return bool(self.cfg.strategy.get("body_only", False))
-
-    def is_uploaded(self, model: nn.Module) -> Callable[[str], bool]:
-        if self._body_only():
-            head = set(parameter_groups(model)["head"])
-            return lambda k: k not in head
-        return super().is_uploaded(model)
-
-    def trainable(self, model: nn.Module) -> Callable[[str], bool] | None:
-        if self._body_only():
-            head = set(parameter_groups(model)["head"])
-            return lambda n: n not in head
-        return None
 
     def extra_loss(self, model: nn.Module, payload: NDArrays, rnd: ClientRound) -> ExtraLoss | None:
         mu = float(self.cfg.strategy.mu)

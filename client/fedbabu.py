@@ -22,12 +22,13 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
+import torch
 from torch import nn
 
 from client.trainer import ClientRound, ClientTrainer, FitResult, prefixed, unprefixed
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays
-from learning.training import train_epochs
+from learning.training import ExtraLoss, proximal_term, train_epochs
 from strategies.fedbabu_math import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, head_digest, split_head
 
 HEAD_PREFIX = "head/"
@@ -96,6 +97,23 @@ class FedBABUTrainer(ClientTrainer):
 
     def evaluate(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
         return super().evaluate(rnd, self.with_head(rnd, payload, state), state)
+
+
+class FedProxBABUTrainer(FedBABUTrainer):
+    """FedProx+BABU (FedBABU paper, Sec. 5.2.4 / Table 6): FedBABU's client (head fixed, body
+    trained, uploaded and averaged, fine-tuned at evaluation) with FedProx's proximal term
+    mu/2 ||theta_ext - theta_ext^t||^2 on the body (the head is frozen, so it adds nothing)."""
+
+    name: ClassVar[str] = "fedprox"
+
+    def extra_loss(self, model: nn.Module, payload: NDArrays, rnd: ClientRound) -> ExtraLoss | None:
+        mu = float(self.cfg.strategy.mu)
+        if mu <= 0:
+            return None
+        head = set(self.head_keys(model))
+        params = dict(model.named_parameters())
+        ref = {k: torch.as_tensor(v) for k, v in payload.items() if k in params and k not in head}
+        return proximal_term(ref, mu)
 
 
 def check_head_unchanged(model: nn.Module, head: NDArrays) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
 from client.trainer import ClientTrainer
 
@@ -20,8 +22,16 @@ TRAINERS: dict[str, str] = {
 }
 
 
-def trainer_class(name: str) -> type[ClientTrainer]:
+# (strategy name, option that must be true) -> variant class
+VARIANTS: dict[tuple[str, str], str] = {("fedprox", "body_only"): "client.fedbabu:FedProxBABUTrainer"}
+
+
+def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[ClientTrainer]:
     if name not in TRAINERS:
         raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(sorted(TRAINERS))}")
+    for (variant, flag), path in VARIANTS.items():
+        if name == variant and options is not None and bool(options.get(flag, False)):
+            module, cls = path.split(":")
+            return getattr(importlib.import_module(module), cls)
     module, cls = TRAINERS[name].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -157,9 +157,6 @@ def validate_config(cfg: DictConfig) -> None:
 
     if not OmegaConf.is_missing(cfg.dataset, "root") and cfg.dataset.source not in SOURCES:
         problems.append(f"dataset.source {cfg.dataset.source!r} is unknown; valid: {', '.join(SOURCES)}")
-    root = "" if OmegaConf.is_missing(cfg.dataset, "root") else str(cfg.dataset.get("root") or "")
-    if root and not Path(root).is_dir():
-        problems.append(f"dataset.root {root!r} does not exist; point it at the {cfg.dataset.name} data folder")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

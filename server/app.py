@@ -26,7 +26,7 @@ def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy
     """Initial model from the run seed, then the configured strategy around it."""
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    cls = strategy_class(str(cfg.strategy.name))
+    cls = strategy_class(str(cfg.strategy.name), cfg.strategy)
     return cls(
         initial_arrays=get_arrays(model),
         client_ids=data.client_ids,

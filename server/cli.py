@@ -67,6 +67,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
         cfg = compose_config(run_cfg, rest)
         n = num_clients(cfg.dataset)
+        root = str(cfg.dataset.get("root") or "")
+        if root and not Path(root).is_dir():
+            raise ConfigError(f"dataset.root {root!r} does not exist; point it at the "
+                              f"{cfg.dataset.name} data folder (see conf/dataset/{cfg.dataset.name}.yaml)")
         if cfg.resume:
             run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
     except (ConfigError, DatasetError) as err:

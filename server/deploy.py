@@ -137,9 +137,9 @@ class SuperNode:
         self.starts += 1
         with self.log_path.open("a") as log:
             log.write(f"\n===== pflower: start #{self.starts}: {' '.join(self.command)}\n")
-        self.proc = subprocess.Popen(self.command, stdout=self.log_path.open("a"),
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=flower_env())
+            log.flush()
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=flower_env())
         return self
 
     def stop(self) -> None:

@@ -28,7 +28,10 @@ in chunks so memory stays O(K * chunk)); the QP itself is then K-dimensional and
 tensors' QPs are solved together, vectorised over the batch axis T:
 
 * K = 1: ``u = [1]``; K = 2: exact closed form (clipped line minimisation).
-* K >= 3: accelerated projected gradient (FISTA, step 1/L with L = 2 lambda_max(G), exact
+* 3 <= K <= ``exact_max_k`` (default 8): exact enumeration of the supports (every face's
+  KKT system, batched over tensors); the iterative solver below only runs if round-off
+  leaves a gap above ``tol``.
+* larger K: accelerated projected gradient (FISTA, step 1/L with L = 2 lambda_max(G), exact
   Euclidean projection onto the simplex, adaptive momentum restart). Every
   ``check_every`` iterations the support S = {k: u_k > 0} of the current iterate is
   "polished": the equality-constrained QP on S (KKT system ``G_SS u_S = nu 1, 1^T u_S = 1``)
@@ -180,6 +183,46 @@ def _two_point(g: np.ndarray) -> np.ndarray:
     return np.stack([a, 1.0 - a], axis=-1)
 
 
+def _enumerate_supports(g: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Exact min-norm weights for small K by enumerating every support S (batched over T).
+
+    For each non-empty S (allowed by ``mask``) solve the KKT system of the QP restricted
+    to the face of S, ``[[G_SS, 1], [1^T, 0]] [u; -nu] = [0; 1]`` (pseudo-inverse, so a
+    singular ``G_SS`` is fine), keep the feasible (u >= 0) candidates and return the one
+    with the smallest objective. Some optimal point lies in the relative interior of a
+    face, where it solves that face's KKT system, so the minimum over faces is exact.
+    Cost: 2^K - 1 batched (|S|+1)-dimensional solves.
+    """
+    t_count, k = g.shape[0], g.shape[1]
+    best_f = np.full(t_count, np.inf)
+    best_w = np.zeros((t_count, k))
+    for bits in range(1, 1 << k):
+        support = [i for i in range(k) if bits >> i & 1]
+        s = len(support)
+        allowed = np.ones(t_count, dtype=bool) if mask is None else mask[:, support].all(axis=1)
+        if not allowed.any():
+            continue
+        kkt = np.zeros((t_count, s + 1, s + 1))
+        kkt[:, :s, :s] = g[:, support][:, :, support]
+        kkt[:, :s, s] = 1.0
+        kkt[:, s, :s] = 1.0
+        rhs = np.zeros(s + 1)
+        rhs[s] = 1.0
+        u = (np.linalg.pinv(kkt) @ rhs)[:, :s]
+        total = u.sum(axis=1)
+        ok = allowed & np.all(np.isfinite(u), axis=1) & (u.min(axis=1) >= -1e-12) & (total > 0.5)
+        if not ok.any():
+            continue
+        u = np.maximum(u, 0.0) / np.where(total > 0, total, 1.0)[:, None]
+        w = np.zeros((t_count, k))
+        w[:, support] = u
+        f = np.einsum("ti,tij,tj->t", w, g, w)
+        better = ok & (f < best_f)
+        best_f = np.where(better, f, best_f)
+        best_w[better] = w[better]
+    return best_w
+
+
 # --------------------------------------------------------------------- min-norm QP
 def min_norm_weights_batched(
     grams: np.ndarray,
@@ -187,6 +230,7 @@ def min_norm_weights_batched(
     max_iter: int = _DEFAULT_MAX_ITER,
     mask: np.ndarray | None = None,
     check_every: int = 10,
+    exact_max_k: int = 8,
 ) -> np.ndarray:
     """Solve T independent min-norm QPs ``min_{w in simplex} w^T G_t w`` at once.
 
@@ -197,6 +241,10 @@ def min_norm_weights_batched(
         mask: optional [T, K] boolean array; ``False`` coordinates are fixed to weight 0
             (used to exclude zero updates). Every row must have at least one ``True``.
         check_every: how often (iterations) the gap is evaluated and the support polished.
+        exact_max_k: for 3 <= K <= ``exact_max_k`` every support is enumerated (exact, and
+            much faster than the iterative solver for the few clients of cross-silo FL);
+            problems whose enumerated solution does not meet ``tol`` (round-off on
+            ill-conditioned Grams) continue with the iterative solver from it.
 
     Returns:
         [T, K] float64 weights, each row on the simplex (non-negative, sums to 1).
@@ -236,9 +284,12 @@ def min_norm_weights_batched(
     if k == 2 and mask is None:
         return _two_point(g)
 
-    # --- initial point: uniform over allowed coordinates
-    w = np.ones((t_count, k)) if mask is None else mask.astype(np.float64)
-    w /= w.sum(axis=1, keepdims=True)
+    # --- initial point: exact enumeration for small K, else uniform over allowed coordinates
+    if k <= exact_max_k:
+        w = _enumerate_supports(g, mask)
+    else:
+        w = np.ones((t_count, k)) if mask is None else mask.astype(np.float64)
+        w /= w.sum(axis=1, keepdims=True)
     # Lipschitz constant of grad f = 2 G w: 2 * lambda_max(G)
     lmax = np.linalg.eigvalsh(g)[:, -1]
     step = 1.0 / (2.0 * np.maximum(lmax, 1e-12))

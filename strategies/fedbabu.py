@@ -130,3 +130,10 @@ class FedBABU(PersonalizedStrategy):
         if head_digest(head) != self.head_sha:
             raise ValueError("the checkpoint's head differs from this run's initial head (different "
                              "seed or head_init?); resume with the original configuration")
+
+
+class FedProxBABU(FedBABU):
+    """FedProx+BABU: FedBABU's server rule (body-only averaging, fixed orthogonal head);
+    the proximal term lives on the client (``client.fedbabu.FedProxBABUTrainer``)."""
+
+    name: ClassVar[str] = "fedprox"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
 from strategies.base import PersonalizedStrategy
 
@@ -19,8 +21,16 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def strategy_class(name: str) -> type[PersonalizedStrategy]:
+# (strategy name, option that must be true) -> variant class
+VARIANTS: dict[tuple[str, str], str] = {("fedprox", "body_only"): "strategies.fedbabu:FedProxBABU"}
+
+
+def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[PersonalizedStrategy]:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(sorted(STRATEGIES))}")
+    for (variant, flag), path in VARIANTS.items():
+        if name == variant and options is not None and bool(options.get(flag, False)):
+            module, cls = path.split(":")
+            return getattr(importlib.import_module(module), cls)
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -274,8 +274,8 @@ def test_fdse_resnet18_builds_with_three_classes(setup):
     ("fdse-pacs", 0.5, 0.5, 0.001, 0.05, 5),
     ("fdse-domainnet", 0.1, 0.5, 0.001, 0.1, 5),
 ])
-def test_table1_experiments_compose(exp, lam, tau, beta, lr, epochs):
-    cfg = compose_config({"experiment": exp}, ["dataset.root=/nonexistent"])
+def test_table1_experiments_compose(exp, lam, tau, beta, lr, epochs, tmp_path):
+    cfg = compose_config({"experiment": exp}, [f"dataset.root={tmp_path}"])
     assert (cfg.strategy.name, cfg.model.name, cfg.rounds) == ("fdse", "fdse-alexnet", 500)
     assert (cfg.strategy.lam, cfg.strategy.tau, cfg.strategy.beta) == (lam, tau, beta)
     assert (cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size) == (lr, epochs, 50)

@@ -301,3 +301,17 @@ def test_layer_weights():
         layer_weights(0, 0.1)
     with pytest.raises(ValueError):
         layer_weights(3, float("nan"))
+
+
+@pytest.mark.parametrize("k", [3, 5, 8])
+def test_support_enumeration_matches_iterative_solver(k):
+    """The exact small-K path (support enumeration) and the iterative path agree."""
+    rng = np.random.default_rng(k)
+    dirs = [unit_rows(rng.normal(size=(k, 6)) + 0.5 * rng.normal(size=6)) for _ in range(4)]
+    grams = np.stack([d @ d.T for d in dirs])
+    exact = min_norm_weights_batched(grams)
+    iterative = min_norm_weights_batched(grams, exact_max_k=0)
+    for g, we, wi, d in zip(grams, exact, iterative, dirs, strict=True):
+        assert_kkt(g, we)
+        assert we @ g @ we == pytest.approx(wi @ g @ wi, abs=1e-10)
+        assert we @ g @ we == pytest.approx(brute_force_min_norm(d)[1], abs=1e-10)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from client.baselines import FedProxTrainer
-from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, HeadMissingError
+from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
+from client.registry import trainer_class
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
 from learning.config import compose_config
 from learning.data import load_federated_data
@@ -27,7 +28,7 @@ from learning.params import num_bytes
 from server.app import build_strategy
 from server.results import build_summary
 from strategies.base import ClientUpdate
-from strategies.fedbabu import HEAD_DIGEST_KEY
+from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
 from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
 
 HEAD_KEYS = ["head.weight", "head.bias"]
@@ -223,13 +224,18 @@ def test_fedprox_body_only_freezes_head(setup):
     cfg2 = compose_config({"strategy": "fedprox", "dataset": "digits-shards", "rounds": "3"},
                           ["dataset.clients_per_domain=3", "strategy.body_only=true", "strategy.mu=0.1"])
     strategy = build_strategy(cfg2, data)
+    assert isinstance(strategy, FedProxBABU), "body_only must select FedBABU's server rule"
     payload = strategy.payload_for("0")
-    trainer = FedProxTrainer(cfg2)
-    assert trainer.finetunes
+    trainer = trainer_class("fedprox", cfg2.strategy)(cfg2)
+    assert isinstance(trainer, FedProxBABUTrainer) and trainer.finetunes
     res = trainer.fit(_rnd(cfg2, data, "0", 1, {}), payload, {})
     assert not set(res.upload) & set(HEAD_KEYS)
     assert not np.array_equal(res.upload["features.0.weight"], payload["features.0.weight"])
-    assert not FedProxTrainer(compose_config({"strategy": "fedprox"})).finetunes
+    for k in HEAD_KEYS:  # the head is FedBABU's fixed orthogonal head and stays bitwise fixed
+        np.testing.assert_array_equal(res.state["head/" + k], strategy.head[k])
+    plain = compose_config({"strategy": "fedprox"})
+    assert trainer_class("fedprox", plain.strategy) is FedProxTrainer
+    assert not FedProxTrainer(plain).finetunes
 
 
 # ----------------------------------------------------------------- results + configs
@@ -259,6 +265,9 @@ def test_paper_experiment_configs_compose(tau, rounds, tmp_path):
         assert cfg.train.lr == 0.1 and cfg.train.lr_schedule == "step"
         assert list(cfg.train.lr_milestones) == [0.5, 0.75]
         assert cfg.finetune.epochs == 5 and cfg.finetune.lr == 1e-3 and cfg.finetune.batch_size == 50
+
+
+def test_table5_and_digits_experiment_configs_compose(tmp_path):
     t5 = compose_config({"experiment": "fedbabu-cifar100-table5", "strategy": "fedbabu"},
                         [f"dataset.root={tmp_path}"])
     assert t5.finetune.curve and list(t5.finetune.curve_epochs) == [0, 1, 2, 3, 4, 5, 10]

@@ -391,21 +391,33 @@ def _rounds(run_dir: Path) -> list[dict]:
     return out
 
 
+def _wait_for_round(proc: subprocess.Popen, run_dir: Path, rnd: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(r["round"] >= rnd for r in _rounds(run_dir)):
+            return
+        time.sleep(0.2)
+
+
 def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
     """fedbn, 4 rounds, client 1 crashes in round 2.
     (a) uninterrupted: the round completes without client 1, the failure is recorded;
     (b) the same run SIGKILLed (the whole process tree) after round 2, then resumed with
         ``resume=<run dir>``: same final accuracies as (a);
     (c) too few clients (7 crash, min_train_clients=2): the run fails naming them, exit 1.
-    (a) and (b) run side by side, then the resume and (c)."""
+    (a) and (b) overlap, as do the resume and (c)."""
     from server.cli import kill_tree
 
     common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
               "faults.crash_clients=[1]", "faults.crash_round=2"]
     ref = _pflower([*common, "run_name=ref"], tmp_path / "ref.log")
-    killed = _pflower([*common, "run_name=killed"], tmp_path / "killed.log")
+    killed = resume = few = None
     try:
-        deadline = time.monotonic() + 240
+        # start the second simulation once the first one's Ray is up (two Ray start-ups at
+        # once can time out on a small, busy machine)
+        _wait_for_round(ref, tmp_path / "ref", 1)
+        killed = _pflower([*common, "run_name=killed"], tmp_path / "killed.log")
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(tmp_path / "killed")):
             assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             time.sleep(0.05)
@@ -416,13 +428,14 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         assert not (tmp_path / "killed" / "summary.json").exists()
 
         resume = _pflower([*common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log")
+        _wait_for_round(resume, tmp_path / "killed", 3)
         few = _pflower(["strategy=fedbn", "rounds=2", f"results_root={tmp_path}", "run_name=few",
                         "faults.crash_clients=[0,1,2,3,4,5,6]", "round_timeout=60"], tmp_path / "few.log")
-        assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-        assert resume.wait(timeout=300) == 0, (tmp_path / "resume.log").read_text()[-3000:]
-        assert few.wait(timeout=300) == 1
+        assert ref.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+        assert resume.wait(timeout=600) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+        assert few.wait(timeout=600) == 1
     finally:
-        for proc in (ref, killed, locals().get("resume"), locals().get("few")):
+        for proc in (ref, killed, resume, few):
             if proc is not None:
                 kill_tree(proc.pid)
 
