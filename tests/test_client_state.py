@@ -105,3 +105,17 @@ def test_fedavg_trainer_learns_on_its_split():
     after = trainer.evaluate(rnd, res.upload, {})
     assert after["val_loss"] < before["val_loss"]
     assert res.num_examples == len(rnd.data.train)
+
+
+def test_fedprox_proximal_term_pulls_towards_the_global_model():
+    from client.baselines import FedProxTrainer
+
+    def drift(strategy, mu):
+        cfg = compose_config({"strategy": strategy}, ["train.local_epochs=3"] + ([f"strategy.mu={mu}"] if mu else []))
+        trainer = FedProxTrainer(cfg) if strategy == "fedprox" else ClientTrainer(cfg)
+        payload = _initial(cfg)
+        up = trainer.fit(_round(cfg), payload, {}).upload
+        params = [k for k in up if "running_" not in k and up[k].dtype.kind == "f"]  # parameters, not BN stats
+        return sum(float(np.sum((up[k].astype(np.float64) - payload[k]) ** 2)) for k in params)
+
+    assert drift("fedprox", 5.0) < 0.5 * drift("fedavg", 0)
