@@ -32,6 +32,10 @@ RUN_CONFIG_KEYS = {
 }
 
 
+# strategies that only work with particular models (checked before any training)
+MODELS_REQUIRED: dict[str, tuple[str, ...]] = {"fdse": ("fdse-alexnet", "fdse-resnet18")}
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message says which key and how to fix it."""
 
@@ -77,20 +81,14 @@ def compose_config(run_config: Mapping[str, Any] | None = None,
 
 @functools.lru_cache(maxsize=16)
 def _compose_cached(overrides_json: str) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
     overrides = json.loads(overrides_json)
     _check_group_choices(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except HydraException as err:
-        raise ConfigError(f"invalid config override: {err}") from err
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = _hydra_compose(overrides)
+    needs = MODELS_REQUIRED.get(str(cfg.strategy.name))
+    user_chose_model = any(o.lstrip("+~").startswith("model=") for o in overrides)
+    if needs and str(cfg.model.name) not in needs and not user_chose_model:
+        # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
+        cfg = _hydra_compose([*overrides, f"model={needs[0]}"])
     validate_config(cfg)
     if cfg.resume:
         # the resumed run *is* the run folder given: same run_name and results_root
@@ -101,6 +99,21 @@ def _compose_cached(overrides_json: str) -> DictConfig:
         cfg.run_name = f"{cfg.strategy.name}-{cfg.dataset.name}-{cfg.model.name}-s{cfg.seed}"
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except HydraException as err:
+        raise ConfigError(f"invalid config override: {err}") from err
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -157,6 +170,10 @@ def validate_config(cfg: DictConfig) -> None:
 
     if not OmegaConf.is_missing(cfg.dataset, "root") and cfg.dataset.source not in SOURCES:
         problems.append(f"dataset.source {cfg.dataset.source!r} is unknown; valid: {', '.join(SOURCES)}")
+    needs = MODELS_REQUIRED.get(str(cfg.strategy.name))
+    if needs and str(cfg.model.name) not in needs:
+        problems.append(f"strategy {cfg.strategy.name!r} needs model {' or '.join(needs)}, got "
+                        f"model={cfg.model.name!r}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -124,3 +124,12 @@ def test_resume_uses_the_run_folder(tmp_path: Path) -> None:
     assert (cfg.run_name, cfg.results_root) == ("old", str(tmp_path.resolve()))
     with pytest.raises(ConfigError, match="leave run_name out when resuming"):
         compose_config({"strategy": "fedbn", "run-name": "x"}, [f"resume={run_dir}"])
+
+
+def test_strategy_that_needs_its_own_model_gets_it_or_a_clear_error():
+    from learning.config import ConfigError, compose_config
+
+    assert compose_config({"strategy": "fdse"}).model.name == "fdse-alexnet"
+    assert compose_config({"strategy": "fdse", "model": "fdse-resnet18"}).model.name == "fdse-resnet18"
+    with pytest.raises(ConfigError, match="strategy 'fdse' needs model fdse-alexnet or fdse-resnet18"):
+        compose_config({"strategy": "fdse", "model": "cnn"})
