@@ -15,7 +15,6 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
 
-from client.registry import trainer_class
 from client.state import ClientStateStore
 from client.trainer import ClientRound
 from learning.config import compose_config
@@ -29,6 +28,7 @@ from strategies.protocol import (
     make_reply,
     to_record,
 )
+from strategies.registry import trainer_class
 
 app = ClientApp()
 

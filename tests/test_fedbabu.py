@@ -20,7 +20,6 @@ import torch
 
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
-from client.registry import trainer_class
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
 from learning.config import compose_config
 from learning.data import load_federated_data
@@ -30,6 +29,7 @@ from server.results import build_summary
 from strategies.base import ClientUpdate
 from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
 from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
+from strategies.registry import trainer_class
 
 HEAD_KEYS = ["head.weight", "head.bias"]
 
