@@ -253,7 +253,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def install_signal_handlers() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM become KeyboardInterrupt, so every command stops the Flower
+    processes it started. Python leaves SIGINT ignored when it was ignored at start-up (e.g. a
+    job started in the background by a non-interactive shell); we want it handled anyway."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
+    install_signal_handlers()
     parser = argparse.ArgumentParser(prog="pflower", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -4,7 +4,9 @@ mid-run, an unregistered SuperNode refused, and every process stopped on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -98,6 +100,23 @@ def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):
 
 
 # ---------------------------------------------------------------------- helpers
+def _stop_tree(proc: subprocess.Popen) -> None:
+    """Never leave a deployment behind, whatever happened in the test: Ctrl-C, then kill
+    the command and every descendant that is still there."""
+    from server.launch import _descendants
+
+    if proc.poll() is None:
+        tree = _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for pid in [*tree, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _processes_mentioning(*texts: str) -> list[str]:
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if any(t in line for t in texts)
@@ -223,9 +242,7 @@ def test_unregistered_supernodes_are_refused_and_ctrl_c_stops_everything(tmp_pat
     try:
         _refuse_and_interrupt(proc, work, tmp_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=300)
+        _stop_tree(proc)
 
 
 def _refuse_and_interrupt(proc: subprocess.Popen, work: Path, tmp_path: Path) -> None:
