@@ -40,7 +40,16 @@ def save_checkpoint(run_dir: Path, server_round: int, groups: dict[str, NDArrays
 
 def load_checkpoint(run_dir: Path, expect: dict[str, Any]) -> tuple[int, dict[str, NDArrays], dict[str, Any]]:
     """Load and verify; ``expect`` (e.g. strategy, model, dataset names) must match."""
-    path = Path(run_dir) / CHECKPOINT
+    flat, meta = _read_verified(Path(run_dir) / CHECKPOINT, expect)
+    groups: dict[str, NDArrays] = {g: {} for g in meta.get("groups", [])}
+    for name, arr in flat.items():
+        g, _, k = name.partition(SEP)
+        groups.setdefault(g, {})[k] = arr
+    return int(meta["round"]), groups, meta
+
+
+def _read_verified(path: Path, expect: dict[str, Any]) -> tuple[NDArrays, dict[str, Any]]:
+    """Read a checkpoint, verify its checksum and that it belongs to this run (``expect``)."""
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; was the run started with checkpoint_every > 0?")
     try:
@@ -48,11 +57,7 @@ def load_checkpoint(run_dir: Path, expect: dict[str, Any]) -> tuple[int, dict[st
     except StateCorruptError as err:
         raise CheckpointError(f"checkpoint {path} is corrupt: {err}") from err
     _check_identity(path, meta, expect)
-    groups: dict[str, NDArrays] = {g: {} for g in meta.get("groups", [])}
-    for name, arr in flat.items():
-        g, _, k = name.partition(SEP)
-        groups.setdefault(g, {})[k] = arr
-    return int(meta["round"]), groups, meta
+    return flat, meta
 
 
 def _check_identity(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
@@ -68,13 +73,7 @@ def check_checkpoint(run_dir: Path, expect: dict[str, Any], rounds: int | None =
     """Verify (checksum and identity) the checkpoint of ``run_dir`` before anything starts;
     returns its round. Raises :class:`CheckpointError` with a message for the user."""
     path = Path(run_dir) / CHECKPOINT
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}; was the run started with checkpoint_every > 0?")
-    try:
-        _, meta = load_arrays_file(path)
-    except StateCorruptError as err:
-        raise CheckpointError(f"checkpoint {path} is corrupt: {err}") from err
-    _check_identity(path, meta, expect)
+    _, meta = _read_verified(path, expect)
     last = int(meta["round"])
     if rounds is not None and last > rounds:
         raise CheckpointError(f"checkpoint {path} is at round {last}, beyond rounds={rounds}; "
