@@ -47,7 +47,7 @@ def test_proximal_term_matches_manual_sum():
     ref = {n: p.detach() + 0.5 for n, p in model.named_parameters()}
     term = proximal_term(ref, mu=0.2)(model, None, None, torch.zeros(1))
     manual = 0.5 * 0.2 * sum(float(((p.detach() - ref[n]) ** 2).sum()) for n, p in model.named_parameters())
-    assert float(term) == pytest.approx(manual, rel=1e-5)
+    assert float(term.detach()) == pytest.approx(manual, rel=1e-5)
 
 
 def test_nan_loss_is_a_clear_error():
