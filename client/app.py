@@ -17,10 +17,8 @@ from omegaconf import DictConfig
 
 from client.state import ClientStateStore
 from client.trainer import ClientRound
-from learning.config import compose_config
-from learning.data import FederatedData, load_federated_data
-from learning.models import resolve_device
-from strategies.protocol import (
+from common.methods import trainer_class
+from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
     config_dict,
@@ -28,7 +26,9 @@ from strategies.protocol import (
     make_reply,
     to_record,
 )
-from strategies.registry import trainer_class
+from learning.config import compose_config
+from learning.data import FederatedData, load_federated_data
+from learning.models import resolve_device
 
 app = ClientApp()
 

@@ -1,34 +1,39 @@
 """Client trainers of the baselines: Local, FedAvg+FT, FedProx, FedBN, Ditto.
 
-(FedAvg itself is :class:`client.trainer.ClientTrainer`.)
+(FedAvg itself is :class:`client.trainer.ClientTrainer`.) Local and FedBN differ from
+FedAvg only by their parameter roles (``common/methods.py``: every key local / BN keys
+local), which the base steps already honour; what is left here is the rest of each
+method's difference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from client.trainer import MODEL_PREFIX, ClientRound, ClientTrainer, FitResult, prefixed, unprefixed
-from learning.models import parameter_groups
-from learning.params import NDArrays, get_arrays, set_arrays
-from learning.training import ExtraLoss, proximal_term, train_epochs
+from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed
+from common.options import DittoOptions, FedProxOptions
+from learning.params import NDArrays, get_arrays
+from learning.training import LossTerm, LossTerms, proximal_term, train_epochs
+
+
+def proximal_to(model: nn.Module, reference: NDArrays, mu: float,
+                exclude: frozenset[str] = frozenset()) -> LossTerm:
+    """mu/2 ||w - w_ref||^2 over the model's parameters found in ``reference`` (FedProx's
+    term, Ditto's personal term), reported as the metric ``proximal``."""
+    params = dict(model.named_parameters())
+    ref = {k: torch.as_tensor(v) for k, v in reference.items() if k in params and k not in exclude}
+    return LossTerm("proximal", proximal_term(ref, mu))
 
 
 class LocalTrainer(ClientTrainer):
-    """Local: the whole model is private; nothing is uploaded. The server's first payload
-    only provides a common initialisation."""
+    """Local: every key is local (private state); nothing is uploaded. The server's first
+    payload only provides a common initialisation."""
 
     name: ClassVar[str] = "local"
     has_global_model: ClassVar[bool] = False
-
-    def private_keys(self, model: nn.Module) -> list[str]:
-        return list(model.state_dict().keys())
-
-    def is_uploaded(self, model: nn.Module) -> Callable[[str], bool]:
-        return lambda k: False
 
 
 class FedAvgFTTrainer(ClientTrainer):
@@ -45,24 +50,20 @@ class FedProxTrainer(ClientTrainer):
     """
 
     name: ClassVar[str] = "fedprox"
+    options: FedProxOptions
 
-    def extra_loss(self, model: nn.Module, payload: NDArrays, rnd: ClientRound) -> ExtraLoss | None:
-        mu = float(self.cfg.strategy.mu)
-        if mu <= 0:
-            return None
-        ref = {k: torch.as_tensor(v) for k, v in payload.items() if k in dict(model.named_parameters())}
-        return proximal_term(ref, mu)
+    def loss_terms(self, work: LocalRound) -> list[LossTerm]:
+        if self.options.mu <= 0:
+            return []
+        return [proximal_to(work.model, work.payload, self.options.mu)]
 
 
 class FedBNTrainer(ClientTrainer):
-    """FedBN: BN weights, biases and running statistics stay local (Li et al., ICLR 2021).
+    """FedBN: BN weights, biases and running statistics are local (Li et al., ICLR 2021).
     There is no single global model, so only personalised accuracy is reported."""
 
     name: ClassVar[str] = "fedbn"
     has_global_model: ClassVar[bool] = False
-
-    def private_keys(self, model: nn.Module) -> list[str]:
-        return parameter_groups(model)["bn"]
 
 
 class DittoTrainer(ClientTrainer):
@@ -74,29 +75,30 @@ class DittoTrainer(ClientTrainer):
     """
 
     name: ClassVar[str] = "ditto"
+    options: DittoOptions
     PERSONAL = "personal/"
 
-    def _personal(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        model = self.new_model(rnd)
-        own = unprefixed(state, self.PERSONAL)
-        set_arrays(model, own if own else payload)
-        return model
-
-    def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
-        result = super().fit(rnd, payload, state)
-        personal = self._personal(rnd, payload, state).to(rnd.device)
-        opt = self.optim(rnd)
-        opt.epochs = int(self.cfg.strategy.get("personal_epochs", opt.epochs))
-        ref = {k: torch.as_tensor(v) for k, v in payload.items() if k in dict(personal.named_parameters())}
-        metrics = train_epochs(personal, rnd.data.train, opt, rnd.device, seed=rnd.seed + 1,
-                               extra_loss=proximal_term(ref, float(self.cfg.strategy.lam)))
-        result.state.update(prefixed(get_arrays(personal), self.PERSONAL))
-        result.metrics.update({f"personal_{k}": v for k, v in metrics.items()})
-        return result
-
     def personal_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        return self._personal(rnd, payload, state)
+        """v: the private personal model, or the global model before the first round."""
+        return self.own_model(rnd, payload, state, self.PERSONAL)
+
+    def train(self, work: LocalRound) -> dict[str, float]:
+        metrics = super().train(work)                      # (1) the global model, as FedAvg
+        rnd = work.rnd
+        personal = self.personal_model(rnd, work.payload, work.state).to(rnd.device)
+        opt = self.optim(rnd)
+        if self.options.personal_epochs is not None:
+            opt.epochs = self.options.personal_epochs
+        terms = LossTerms([proximal_to(personal, work.payload, self.options.lam)])
+        personal_metrics = train_epochs(personal, rnd.data.train, opt, rnd.device, seed=rnd.seed + 1,
+                                        extra_loss=terms)
+        work.scratch["personal"] = get_arrays(personal)
+        metrics.update({f"personal_{k}": v for k, v in {**personal_metrics, **terms.metrics()}.items()})
+        return metrics
+
+    def private_state(self, work: LocalRound) -> NDArrays:
+        return {**super().private_state(work), **prefixed(work.scratch["personal"], self.PERSONAL)}
 
 
 __all__ = ["LocalTrainer", "FedAvgFTTrainer", "FedProxTrainer", "FedBNTrainer", "DittoTrainer",
-           "MODEL_PREFIX"]
+           "proximal_to"]

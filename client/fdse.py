@@ -15,106 +15,75 @@ a payload carries none).
 :func:`adapt_unseen` is the label-free adaptation of a held-out client (Algorithm 3): only
 the personal (DSE) modules are trained, to minimise ``L_Con`` against the global BN_DFE
 statistics; BN_DFE stays frozen. Run it on a finished run with
-``python -m client.fdse adapt RUN_DIR`` (reads ``<run>/config.yaml`` and
+``pflower adapt RUN_DIR`` (``ops/adapt.py``) (reads ``<run>/config.yaml`` and
 ``<run>/checkpoint/server.npz``; the server holds no data, so this is offline).
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import sys
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from client.trainer import MODEL_PREFIX, ClientRound, ClientTrainer, FitResult, prefixed, unprefixed
+from client.trainer import ClientTrainer, LocalRound
+from common.options import FDSEOptions
+from common.roles import LOCAL
 from learning.data import ClientSplit
 from learning.fdse_model import (
-    LOCAL,
-    PERSONAL,
     adaptation_mode,
     consistency_loss,
     dse_blocks,
-    parameter_classes,
     reset_consistency_state,
     shared_bn_stats,
 )
-from learning.models import build_model
-from learning.params import NDArrays, get_arrays, set_arrays
-from learning.training import evaluate, make_loader, seed_everything, train_epochs
-
-
-def _keys_of(model: nn.Module, cls: str) -> list[str]:
-    return [k for k, c in parameter_classes(model).items() if c == cls]
+from learning.params import NDArrays, get_arrays
+from learning.training import (
+    LossTerm,
+    OptimConfig,
+    evaluate,
+    make_loader,
+    make_optimizer,
+    seed_everything,
+)
 
 
 class FDSETrainer(ClientTrainer):
-    """FDSE client (see the module docstring). Config: ``strategy.lam`` (lambda),
-    ``strategy.beta`` (layer-weight exponent), ``strategy.consistency_form``,
-    ``strategy.consistency_from_round``."""
+    """FDSE client (see the module docstring). The roles (``common/roles.py``: DFE shared,
+    DSE personal, BN_DSE statistics local) already say what is loaded, kept and uploaded;
+    this class adds the consistency loss."""
 
     name: ClassVar[str] = "fdse"
     has_global_model: ClassVar[bool] = False   # the shared part alone is not a model
+    options: FDSEOptions
 
-    def private_keys(self, model: nn.Module) -> list[str]:
-        """Local-only state: BN_DSE running statistics (never uploaded)."""
-        return _keys_of(model, LOCAL)
-
-    def is_uploaded(self, model: nn.Module) -> Callable[[str], bool]:
-        local = set(self.private_keys(model))
-        return lambda k: k not in local
-
-    def load_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        """Payload (shared + this client's personal mix), then the client's local statistics;
-        personal tensors the payload does not carry come from the client's own state."""
-        model = self.new_model(rnd)
-        classes = parameter_classes(model)
-        local = [k for k in payload if classes.get(k) == LOCAL]
-        if local:
-            raise ValueError(f"fdse: the server sent local-only statistics {local[:3]}; "
+    def start_model(self, work: LocalRound) -> nn.Module:
+        model = super().start_model(work)
+        roles = self.roles(model)
+        leaked = [k for k in work.payload if roles.get(k) == LOCAL]
+        if leaked:
+            raise ValueError(f"fdse: the server sent local-only statistics {leaked[:3]}; "
                              "they belong to the client")
-        set_arrays(model, payload)
-        own = unprefixed(state, MODEL_PREFIX)
-        keep = {k: v for k, v in own.items()
-                if classes.get(k) == LOCAL or (classes.get(k) == PERSONAL and k not in payload)}
-        set_arrays(model, keep)
+        # the received global BN_DFE statistics, before any training step
+        work.scratch["global_stats"] = shared_bn_stats(get_arrays(model))
+        reset_consistency_state(model)
         return model
 
-    def save_state(self, model: nn.Module) -> NDArrays:
-        keys = _keys_of(model, LOCAL) + _keys_of(model, PERSONAL)
-        return prefixed(get_arrays(model, keys), MODEL_PREFIX)
+    def loss_terms(self, work: LocalRound) -> list[LossTerm]:
+        o = self.options
+        if not (o.lam > 0 and work.rnd.server_round >= o.consistency_from_round):
+            return []
+        gs = work.scratch["global_stats"]
+        return [LossTerm("consistency",
+                         lambda m, x, y, logits: consistency_loss(m, gs, o.beta, o.consistency_form),
+                         weight=o.lam)]
 
-    def _strategy_opt(self, key: str, default: Any) -> Any:
-        return self.cfg.strategy.get(key, default)
-
-    def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
-        model = self.load_model(rnd, payload, state).to(rnd.device)
-        lam = float(self._strategy_opt("lam", 0.1))
-        beta = float(self._strategy_opt("beta", 0.001))
-        form = str(self._strategy_opt("consistency_form", "paper"))
-        start = int(self._strategy_opt("consistency_from_round", 2))
-        active = lam > 0 and rnd.server_round >= start
-        gs = shared_bn_stats(get_arrays(model))          # the received global BN_DFE statistics
-        reset_consistency_state(model)
-        con_values: list[float] = []
-
-        def con_term(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            value = consistency_loss(m, gs, beta, form)
-            con_values.append(float(value.detach()))
-            return lam * value
-
-        metrics = train_epochs(model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
-                               extra_loss=con_term if active else None)
-        metrics["consistency"] = float(np.mean(con_values)) if con_values else 0.0
-        upload = get_arrays(model, self.is_uploaded(model))
-        return FitResult(upload, metrics, {**state, **self.save_state(model)}, rnd.data.num_train)
+    def train(self, work: LocalRound) -> dict[str, float]:
+        metrics = super().train(work)
+        metrics.setdefault("consistency", 0.0)   # the term is off in the first round(s)
+        return metrics
 
 
 # ---------------------------------------------------------------- unseen domains
@@ -197,7 +166,7 @@ def adapt_unseen(
     seed_everything(seed)
     model.to(device).train()
     params = adaptation_mode(model)
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    optimizer = make_optimizer(params, OptimConfig(lr=lr, batch_size=batch_size, momentum=momentum))
     reset_consistency_state(model)
     losses: list[float] = []
     for epoch in range(epochs):
@@ -217,79 +186,3 @@ def adapt_unseen(
     out["consistency_first"] = losses[0] if losses else float("nan")
     out["consistency_last"] = losses[-1] if losses else float("nan")
     return out
-
-
-def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None,
-              lr: float | None = None, adapt_on: str | None = None,
-              clients: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """Adapt the final model of an FDSE run to each held-out client (``data.new_clients``).
-
-    Reads ``<run>/config.yaml`` and ``<run>/checkpoint/server.npz``; the adaptation settings
-    default to ``strategy.adapt_*`` of the run's config. Returns ``{client: metrics}`` and
-    writes it to ``<run>/unseen_adaptation.json``.
-    """
-    from learning.data import load_federated_data
-    from learning.models import resolve_device
-    from server.checkpoint import load_checkpoint
-
-    run = Path(run_dir)
-    cfg_path = run / "config.yaml"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of an FDSE run")
-    cfg: DictConfig = OmegaConf.load(cfg_path)  # type: ignore[assignment]
-    if str(cfg.strategy.name) != "fdse":
-        raise ValueError(f"{run} is a {cfg.strategy.name!r} run; adaptation needs an FDSE run")
-    _, groups, _ = load_checkpoint(run, {"strategy": "fdse"})
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    if not data.new_clients:
-        raise ValueError(f"dataset {cfg.dataset.name!r} has no held-out clients; set "
-                         "dataset.new_clients_per_domain >= 1 for the run")
-    st = cfg.strategy
-    epochs = int(st.get("adapt_epochs", 5) if epochs is None else epochs)
-    lr = float(st.get("adapt_lr", 0.01) if lr is None else lr)
-    adapt_on = str(st.get("adapt_on", "train") if adapt_on is None else adapt_on)
-    device = resolve_device(str(cfg.device))
-    torch.manual_seed(int(cfg.seed))
-    template = build_model(cfg.model, data.input_shape, data.num_classes)
-    pkeys = _keys_of(template, PERSONAL)
-    arrays = {**groups["global"], **personal_init(groups, pkeys, init)}
-    results: dict[str, dict[str, float]] = {}
-    for cid in clients or sorted(data.new_clients):
-        model = copy.deepcopy(template)
-        set_arrays(model, arrays)
-        gs = shared_bn_stats(groups["global"])
-        res = adapt_unseen(model, gs, data.new_clients[cid], device, beta=float(st.beta),
-                           form=str(st.get("consistency_form", "paper")), epochs=epochs, lr=lr,
-                           batch_size=int(cfg.train.batch_size), clip=float(cfg.train.clip),
-                           adapt_on=adapt_on, seed=int(cfg.seed))
-        res["domain"] = data.new_clients[cid].domain  # type: ignore[assignment]
-        results[cid] = res
-    meta = {"init": init, "epochs": epochs, "lr": lr, "adapt_on": adapt_on}
-    (run / "unseen_adaptation.json").write_text(json.dumps({"settings": meta, "clients": results}, indent=2))
-    return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client.fdse",
-                                     description="FDSE unseen-domain adaptation (Algorithm 3)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("adapt", help="adapt a finished FDSE run to its held-out clients")
-    a.add_argument("runs", nargs="+", help="run folders (with config.yaml and checkpoint/)")
-    a.add_argument("--init", default="mean", choices=("mean", "initial"))
-    a.add_argument("--epochs", type=int, default=None)
-    a.add_argument("--lr", type=float, default=None)
-    a.add_argument("--on", dest="adapt_on", default=None, choices=("train", "test"))
-    args = parser.parse_args(argv)
-    for run in args.runs:
-        res = adapt_run(run, init=args.init, epochs=args.epochs, lr=args.lr, adapt_on=args.adapt_on)
-        print(f"{run}:")
-        for cid, m in res.items():
-            print(f"  {cid} ({m['domain']}): init {m['acc_init']:.4f}  before {m['acc_before']:.4f}"
-                  f"  after {m['acc_after']:.4f}")
-        accs = {k: float(np.mean([m[k] for m in res.values()])) for k in ("acc_init", "acc_before", "acc_after")}
-        print(f"  mean: init {accs['acc_init']:.4f}  before {accs['acc_before']:.4f}  after {accs['acc_after']:.4f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

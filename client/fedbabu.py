@@ -18,18 +18,19 @@ of ``finetune.curve_epochs`` fine-tuning epochs (Table 5).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
-import torch
 from torch import nn
 
-from client.trainer import ClientRound, ClientTrainer, FitResult, prefixed, unprefixed
-from learning.models import parameter_groups
+from client.baselines import proximal_to
+from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
+from common.options import FedProxOptions
+from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC
+from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, get_arrays
-from learning.training import ExtraLoss, proximal_term, train_epochs
-from strategies.fedbabu_math import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, head_digest, split_head
+from learning.training import LossTerm
+from strategies.fedbabu_math import head_digest, split_head
 
 HEAD_PREFIX = "head/"
 
@@ -39,23 +40,17 @@ class HeadMissingError(RuntimeError):
 
 
 class FedBABUTrainer(ClientTrainer):
-    """FedBABU client: train the body only, upload the body only, fine-tune at evaluation."""
+    """FedBABU client: the head's role is *frozen* (``common/roles.py``), so the base steps
+    already keep it out of the optimiser and the upload; this class adds where the head
+    comes from (payload or stored copy) and the check that it never changed."""
 
     name: ClassVar[str] = "fedbabu"
     finetunes: ClassVar[bool] = True
 
     def head_keys(self, model: nn.Module) -> list[str]:
-        return parameter_groups(model)["head"]
+        return keys_with(self.roles(model), FROZEN)
 
-    def is_uploaded(self, model: nn.Module) -> Callable[[str], bool]:
-        head = set(self.head_keys(model))
-        return lambda k: k not in head
-
-    def trainable(self, model: nn.Module) -> Callable[[str], bool] | None:
-        head = set(self.head_keys(model))
-        return lambda n: n not in head
-
-    def with_head(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> NDArrays:
+    def receive(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> NDArrays:
         """The payload completed with the head: the payload's own if it carries one, else the
         stored copy, which must match the server's digest when the server sent one."""
         model = self.new_model(rnd)
@@ -80,23 +75,19 @@ class FedBABUTrainer(ClientTrainer):
             )
         return {**payload, **stored}
 
-    def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
-        full = self.with_head(rnd, payload, state)
-        model = self.load_model(rnd, full, state).to(rnd.device)
-        _, head = split_head(full, self.head_keys(model))
-        head = {k: np.array(v, copy=True) for k, v in head.items()}
-        metrics = train_epochs(
-            model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
-            trainable=self.trainable(model), extra_loss=self.extra_loss(model, full, rnd),
-        )
-        check_head_unchanged(model, head)  # defensive: frozen means bit-for-bit unchanged
-        upload = get_arrays(model, self.is_uploaded(model))
-        new_state = {**state, **self.save_state(model), **prefixed(head, HEAD_PREFIX)}
-        metrics[HEAD_STORED_METRIC] = 1.0
-        return FitResult(upload, metrics, new_state, rnd.data.num_train)
+    def head(self, work: LocalRound) -> NDArrays:
+        _, head = split_head(work.payload, self.head_keys(work.model))
+        return {k: np.array(v, copy=True) for k, v in head.items()}
 
-    def evaluate(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
-        return super().evaluate(rnd, self.with_head(rnd, payload, state), state)
+    def train(self, work: LocalRound) -> dict[str, float]:
+        head = self.head(work)
+        metrics = super().train(work)
+        check_head_unchanged(work.model, head)  # defensive: frozen means bit-for-bit unchanged
+        metrics[HEAD_STORED_METRIC] = 1.0
+        return metrics
+
+    def private_state(self, work: LocalRound) -> NDArrays:
+        return {**super().private_state(work), **prefixed(self.head(work), HEAD_PREFIX)}
 
 
 class FedProxBABUTrainer(FedBABUTrainer):
@@ -105,15 +96,13 @@ class FedProxBABUTrainer(FedBABUTrainer):
     mu/2 ||theta_ext - theta_ext^t||^2 on the body (the head is frozen, so it adds nothing)."""
 
     name: ClassVar[str] = "fedprox"
+    options: FedProxOptions
 
-    def extra_loss(self, model: nn.Module, payload: NDArrays, rnd: ClientRound) -> ExtraLoss | None:
-        mu = float(self.cfg.strategy.mu)
-        if mu <= 0:
-            return None
-        head = set(self.head_keys(model))
-        params = dict(model.named_parameters())
-        ref = {k: torch.as_tensor(v) for k, v in payload.items() if k in params and k not in head}
-        return proximal_term(ref, mu)
+    def loss_terms(self, work: LocalRound) -> list[LossTerm]:
+        if self.options.mu <= 0:
+            return []
+        return [proximal_to(work.model, work.payload, self.options.mu,
+                            exclude=frozenset(self.head_keys(work.model)))]
 
 
 def check_head_unchanged(model: nn.Module, head: NDArrays) -> None:

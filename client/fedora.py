@@ -35,57 +35,38 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from client.trainer import (
-    MODEL_PREFIX,
-    ClientRound,
-    ClientTrainer,
-    FitResult,
-    _prefixed_eval,
-    prefixed,
-    unprefixed,
-)
-from learning.params import NDArrays, get_arrays, set_arrays
-from learning.training import evaluate, proximal_term, train_epochs
-from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY, fedora_options
+from client.baselines import proximal_to
+from client.trainer import ClientRound, ClientTrainer, LocalRound
+from common.options import FEDORAOptions
+from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
+from learning.params import NDArrays, set_arrays
+from learning.training import LossTerm, evaluate
 from strategies.fedora_math import data_subspace_basis, selective_lambda
 
 BASIS_STATE = "fedora/basis"
 
 
 class FEDORATrainer(ClientTrainer):
-    """FEDORA client (see the module docstring)."""
+    """FEDORA client (see the module docstring). Every key is *personal*
+    (``common/roles.py``): uploaded, kept, and held per client by the server."""
 
     name: ClassVar[str] = "fedora"
     has_global_model: ClassVar[bool] = False
-
-    def __init__(self, cfg: DictConfig) -> None:
-        super().__init__(cfg)
-        self.opts = fedora_options(cfg.strategy)
+    options: FEDORAOptions
 
     # ---------------------------------------------------------------- pieces
-    def private_keys(self, model: nn.Module) -> list[str]:
-        return list(model.state_dict().keys())
-
-    def own_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
+    def personal_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
         """theta_k: the private model, or the server's payload before the first round."""
-        model = self.new_model(rnd)
-        own = unprefixed(state, MODEL_PREFIX)
-        set_arrays(model, own if own else payload)
-        return model
+        return self.own_model(rnd, payload, state)
 
-    def propagated_model(self, rnd: ClientRound, payload: NDArrays) -> nn.Module:
-        """theta_hat_k: the parameters the server propagated to this client."""
+    def reference_models(self, rnd: ClientRound, payload: NDArrays) -> dict[str, nn.Module]:
+        """theta_hat_k, the parameters the server propagated to this client (``propagated_*``)."""
         model = self.new_model(rnd)
         set_arrays(model, payload)
-        return model
-
-    def personal_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        return self.own_model(rnd, payload, state)
+        return {"propagated_": model}
 
     def basis(self, rnd: ClientRound, state: NDArrays) -> np.ndarray:
         """The client's data-subspace basis U (d x p), computed once and cached in state."""
@@ -99,10 +80,10 @@ class FEDORATrainer(ClientTrainer):
             raise ValueError(f"client {rnd.client_id} has no training samples; FEDORA needs them "
                              "for its data-subspace basis")
         x, y = np.concatenate(xs), np.concatenate(ys)
-        if self.opts["basis_labels"]:
-            return data_subspace_basis(x, self.opts["basis_rank"], labels=y,
+        if self.options.basis_labels:
+            return data_subspace_basis(x, self.options.basis_rank, labels=y,
                                        num_classes=rnd.num_classes)
-        return data_subspace_basis(x, self.opts["basis_rank"])
+        return data_subspace_basis(x, self.options.basis_rank)
 
     def selective_weight(self, rnd: ClientRound, own: nn.Module,
                          hat: nn.Module) -> tuple[float, float, float]:
@@ -112,34 +93,37 @@ class FEDORATrainer(ClientTrainer):
                              "selective lambda needs one (set dataset.val_fraction > 0)")
         own_loss = evaluate(own, rnd.data.val, rnd.device)["loss"]
         hat_loss = evaluate(hat, rnd.data.val, rnd.device)["loss"]
-        lam = selective_lambda(own_loss, hat_loss, self.opts["eps"], self.opts["lambda_form"])
+        lam = selective_lambda(own_loss, hat_loss, self.options.eps, self.options.lambda_form)
         return lam, own_loss, hat_loss
 
-    # ---------------------------------------------------------------- round calls
-    def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
-        own = self.own_model(rnd, payload, state).to(rnd.device)
-        hat = self.propagated_model(rnd, payload).to(rnd.device)
-        lam, own_loss, hat_loss = self.selective_weight(rnd, own, hat)
-        params = dict(own.named_parameters())
-        reference = {k: torch.as_tensor(v) for k, v in payload.items() if k in params}
-        # lambda ||theta - theta_hat||^2 == proximal_term with mu = 2 lambda (mu/2 ||.||^2)
-        extra = proximal_term(reference, 2.0 * lam) if lam > 0 else None
-        metrics = train_epochs(own, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
-                               extra_loss=extra)
-        metrics.update({"lambda": lam, "val_loss_own": own_loss, "val_loss_propagated": hat_loss})
-        basis = self.basis(rnd, state)
-        new_state = {**state, **prefixed(get_arrays(own), MODEL_PREFIX), BASIS_STATE: basis}
-        wanted = str(rnd.config.get(NEED_BASIS_KEY, ""))
-        extra_records: dict[str, NDArrays] = {}
-        if rnd.client_id in [c for c in wanted.split(",") if c]:
-            extra_records[BASIS_RECORD] = {BASIS_ARRAY: basis}
-        return FitResult(get_arrays(own), metrics, new_state, rnd.data.num_train, extra_records)
+    # ---------------------------------------------------------------- round steps
+    def start_model(self, work: LocalRound) -> nn.Module:
+        """theta_k (the payload is theta_hat_k, the regularisation target)."""
+        return self.personal_model(work.rnd, work.payload, work.state)
 
-    def evaluate(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
-        """theta_k's accuracy (personalised) and theta_hat_k's (``propagated_*``)."""
-        out = _prefixed_eval(self.own_model(rnd, payload, state), rnd, "")
-        out.update(_prefixed_eval(self.propagated_model(rnd, payload), rnd, "propagated_"))
-        return out
+    def loss_terms(self, work: LocalRound) -> list[LossTerm]:
+        lam = work.scratch["lambda"]
+        # lambda ||theta - theta_hat||^2 == proximal term with mu = 2 lambda (mu/2 ||.||^2)
+        return [proximal_to(work.model, work.payload, 2.0 * lam)] if lam > 0 else []
+
+    def train(self, work: LocalRound) -> dict[str, float]:
+        hat = self.reference_models(work.rnd, work.payload)["propagated_"].to(work.rnd.device)
+        lam, own_loss, hat_loss = self.selective_weight(work.rnd, work.model, hat)
+        work.scratch["lambda"] = lam
+        metrics = super().train(work)
+        metrics.pop("proximal", None)   # reported as lambda instead (present or not, per round)
+        return {**metrics, "lambda": lam, "val_loss_own": own_loss, "val_loss_propagated": hat_loss}
+
+    def upload(self, work: LocalRound) -> tuple[NDArrays, dict[str, NDArrays]]:
+        """theta_k, plus the basis when the server asked for it (once)."""
+        arrays, extra = super().upload(work)
+        wanted = str(work.rnd.config.get(NEED_BASIS_KEY, ""))
+        if work.rnd.client_id in [c for c in wanted.split(",") if c]:
+            extra[BASIS_RECORD] = {BASIS_ARRAY: self.basis(work.rnd, work.state)}
+        return arrays, extra
+
+    def private_state(self, work: LocalRound) -> NDArrays:
+        return {**super().private_state(work), BASIS_STATE: self.basis(work.rnd, work.state)}
 
 
 __all__ = ["FEDORATrainer", "BASIS_STATE"]

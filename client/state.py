@@ -164,7 +164,7 @@ class ClientStateStore:
             return
         from flwr.app import ArrayRecord, ConfigRecord
 
-        from strategies.protocol import to_record
+        from common.protocol import to_record
 
         rec: ArrayRecord = to_record(arrays)
         self.context_state[f"{self.key}.arrays"] = rec

@@ -22,10 +22,19 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from common.methods import method_options, parameter_roles
+from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from learning.data import ClientSplit
 from learning.models import build_model, parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
-from learning.training import ExtraLoss, OptimConfig, evaluate, train_epochs
+from learning.training import (
+    LossTerm,
+    LossTerms,
+    OptimConfig,
+    evaluate,
+    make_optimizer,
+    train_epochs,
+)
 
 MODEL_PREFIX = "model/"
 
@@ -67,8 +76,35 @@ def unprefixed(state: Mapping[str, np.ndarray], prefix: str) -> NDArrays:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+@dataclass
+class LocalRound:
+    """One client training round in progress: what its steps read and write.
+
+    ``payload`` is what the server sent (completed by :meth:`ClientTrainer.receive`),
+    ``state`` the client's private state as loaded, ``roles`` the parameter partition,
+    ``model`` the model being trained (set by the ``start_model`` step), ``metrics`` what
+    the ``train`` step reported, ``scratch`` values one step hands to a later one.
+    """
+
+    rnd: ClientRound
+    payload: NDArrays
+    state: NDArrays
+    roles: dict[str, str]
+    model: nn.Module = field(default_factory=nn.Module)
+    metrics: dict[str, float] = field(default_factory=dict)
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
 class ClientTrainer:
-    """FedAvg client: load the global model, train it locally, upload all of it."""
+    """FedAvg client, and the round every method runs, as named steps.
+
+    :meth:`fit` runs ``receive`` -> ``start_model`` -> ``train`` -> ``upload`` ->
+    ``private_state``; a method overrides the steps that differ, never the round. What
+    each parameter is (shared / personal / local / frozen) comes from the method table's
+    parameter-role rule (``common/roles.py``), so the default steps already load local and
+    personal keys from the private state, keep frozen ones out of the optimiser, and upload
+    the shared and personal ones.
+    """
 
     name: ClassVar[str] = "fedavg"
     finetunes: ClassVar[bool] = False      # personalised accuracy = after fine-tuning
@@ -76,46 +112,48 @@ class ClientTrainer:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        self.options = method_options(cfg.strategy)
 
     # ---------------------------------------------------------------- model pieces
     def new_model(self, rnd: ClientRound) -> nn.Module:
         torch.manual_seed(int(self.cfg.seed))
         return build_model(self.cfg.model, rnd.input_shape, rnd.num_classes)
 
-    def private_keys(self, model: nn.Module) -> list[str]:
-        """State-dict keys the client keeps to itself (never overwritten by the server)."""
-        return []
-
-    def is_uploaded(self, model: nn.Module) -> Callable[[str], bool]:
-        private = set(self.private_keys(model))
-        return lambda k: k not in private
+    def roles(self, model: nn.Module) -> dict[str, str]:
+        """``{state-dict key: role}`` of this method (``common.methods.parameter_roles``)."""
+        return parameter_roles(self.cfg.strategy, model)
 
     def trainable(self, model: nn.Module) -> Callable[[str], bool] | None:
-        return None
+        frozen = set(keys_with(self.roles(model), FROZEN))
+        return (lambda n: n not in frozen) if frozen else None
 
-    def extra_loss(self, model: nn.Module, payload: NDArrays, rnd: ClientRound) -> ExtraLoss | None:
-        return None
+    def loss_terms(self, work: LocalRound) -> list[LossTerm]:
+        """Terms added to the cross-entropy loss (each reports its mean as a metric)."""
+        return []
 
     def optim(self, rnd: ClientRound) -> OptimConfig:
         train = self.cfg.train
-        schedule = str(train.get("lr_schedule", "exp"))
+        schedule = str(train.lr_schedule)
         if schedule not in ("exp", "step"):
             raise ValueError(f"train.lr_schedule must be exp (lr * lr_decay^(round-1)) or step, "
                              f"got {schedule!r}")
         if schedule == "step":
             scale = step_lr_scale(rnd.server_round, int(self.cfg.rounds),
-                                  list(train.get("lr_milestones", [0.5, 0.75])),
-                                  float(train.get("lr_gamma", 0.1)))
+                                  list(train.lr_milestones), float(train.lr_gamma))
         else:
             scale = float(train.lr_decay) ** max(0, rnd.server_round - 1)
         return OptimConfig.from_cfg(train, lr_scale=scale)
 
     def load_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        """The model this client trains: the payload, overlaid with its private keys."""
+        """The payload, overlaid with the private state's local keys and with its personal
+        keys the payload does not carry. Before a client has state, the payload (the server's
+        initial model) is its starting point for every key."""
         model = self.new_model(rnd)
+        roles = self.roles(model)
         set_arrays(model, payload)
         own = unprefixed(state, MODEL_PREFIX)
-        keep = {k: v for k, v in own.items() if k in set(self.private_keys(model))}
+        keep = {k: v for k, v in own.items()
+                if roles.get(k) == LOCAL or (roles.get(k) == PERSONAL and k not in payload)}
         set_arrays(model, keep)
         return model
 
@@ -123,34 +161,71 @@ class ClientTrainer:
         """The model evaluated as this client's personalised model."""
         return self.load_model(rnd, payload, state)
 
-    def global_model(self, rnd: ClientRound, payload: NDArrays) -> nn.Module | None:
-        if not self.has_global_model:
-            return None
+    def own_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays,
+                  prefix: str = MODEL_PREFIX) -> nn.Module:
+        """A whole model the client keeps in its state under ``prefix`` (FEDORA's theta_k,
+        PartialFed's last model, Ditto's v), or the payload before the client has one."""
         model = self.new_model(rnd)
-        set_arrays(model, payload)
+        own = unprefixed(state, prefix)
+        set_arrays(model, own if own else payload)
         return model
 
-    def save_state(self, model: nn.Module) -> NDArrays:
-        return prefixed(get_arrays(model, self.private_keys(model)), MODEL_PREFIX)
+    def reference_models(self, rnd: ClientRound, payload: NDArrays) -> dict[str, nn.Module]:
+        """Models evaluated besides the personalised one, by metric prefix (FedAvg: the
+        global model as ``global_*``)."""
+        if not self.has_global_model:
+            return {}
+        model = self.new_model(rnd)
+        set_arrays(model, payload)
+        return {"global_": model}
 
-    # ---------------------------------------------------------------- round calls
+    # ---------------------------------------------------------------- round steps
+    def receive(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> NDArrays:
+        """Step 0 (train and evaluate): the payload as the later steps use it."""
+        return payload
+
+    def start_model(self, work: LocalRound) -> nn.Module:
+        """Step 1: the model this round trains, from the payload and the private state."""
+        return self.load_model(work.rnd, work.payload, work.state)
+
+    def train(self, work: LocalRound) -> dict[str, float]:
+        """Step 2: train ``work.model`` in place; return the metrics (loss terms' included)."""
+        rnd = work.rnd
+        terms = LossTerms(self.loss_terms(work))
+        metrics = train_epochs(work.model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
+                               trainable=self.trainable(work.model), extra_loss=terms or None)
+        return {**metrics, **terms.metrics()}
+
+    def upload(self, work: LocalRound) -> tuple[NDArrays, dict[str, NDArrays]]:
+        """Step 3: the arrays sent back (shared and personal keys) and extra records."""
+        return get_arrays(work.model, keys_with(self.roles(work.model), *UPLOADED)), {}
+
+    def private_state(self, work: LocalRound) -> NDArrays:
+        """Step 4: the private state to keep: the previous one updated with this round's
+        personal and local keys."""
+        kept = get_arrays(work.model, keys_with(self.roles(work.model), *KEPT))
+        return {**work.state, **prefixed(kept, MODEL_PREFIX)}
+
     def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
-        model = self.load_model(rnd, payload, state).to(rnd.device)
-        metrics = train_epochs(
-            model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
-            trainable=self.trainable(model), extra_loss=self.extra_loss(model, payload, rnd),
-        )
-        upload = get_arrays(model, self.is_uploaded(model))
-        return FitResult(upload, metrics, {**state, **self.save_state(model)}, rnd.data.num_train)
+        """One training round: the steps above, in order (methods override steps, not this)."""
+        work = LocalRound(rnd, self.receive(rnd, payload, state), state, {})
+        work.model = self.start_model(work).to(rnd.device)
+        work.roles = self.roles(work.model)
+        work.metrics = self.train(work)
+        upload, extra = self.upload(work)
+        return FitResult(upload, work.metrics, self.private_state(work), rnd.data.num_train, extra)
 
     def evaluate(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
-        """Personalised accuracy (``accuracy``, ``val_accuracy``) and, where the method has
-        one, the global model's (``global_*``) and the fine-tuned one's (``ft_*``)."""
+        """Step 5: personalised accuracy (``accuracy``, ``val_accuracy``) and, where the
+        method has them, the reference models' (``global_*``) and the fine-tuned one's
+        (``ft_*``)."""
+        payload = self.receive(rnd, payload, state)
         out: dict[str, float] = {}
-        glob = self.global_model(rnd, payload)
-        if glob is not None:
-            out.update(_prefixed_eval(glob, rnd, "global_"))
+        references = self.reference_models(rnd, payload)
+        for prefix, model in references.items():
+            out.update(_prefixed_eval(model, rnd, prefix))
         if self.finetunes:
+            glob = references.get("global_")
             base = glob if glob is not None else self.personal_model(rnd, payload, state)
             out.update(finetune_and_evaluate(base, rnd, final=bool(rnd.config.get("final", False))))
             out["accuracy"], out["val_accuracy"] = out["ft_accuracy"], out["ft_val_accuracy"]
@@ -200,15 +275,14 @@ def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = Fals
     ft = rnd.cfg.finetune
     model = copy.deepcopy(model).to(rnd.device)
     opt = OptimConfig(lr=float(ft.lr), momentum=float(ft.momentum), weight_decay=float(ft.weight_decay),
-                      epochs=1, batch_size=int(ft.batch_size), clip=float(rnd.cfg.train.clip))
+                      epochs=1, batch_size=int(ft.batch_size), clip=float(rnd.cfg.train.clip),
+                      optimizer=str(rnd.cfg.train.optimizer))
     trainable = finetune_trainable(model, str(ft.part))
     curve = sorted({int(e) for e in ft.curve_epochs}) if (final and bool(ft.curve)) else []
     target = int(ft.epochs)
     out: dict[str, float] = {}
-    optimizer = None
     params = [p for n, p in model.named_parameters() if trainable(n)]
-    if params:
-        optimizer = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    optimizer = make_optimizer(params, opt) if params else None
     last = max([target, *curve])
     for epoch in range(0, last + 1):
         if epoch in curve:

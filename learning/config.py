@@ -9,6 +9,7 @@ live across rounds, so composition happens inside ``initialize_config_dir`` each
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shlex
 from collections.abc import Mapping
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from common.methods import method, method_options
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")
@@ -32,12 +35,13 @@ RUN_CONFIG_KEYS = {
 }
 
 
-# strategies that only work with particular models (checked before any training)
-MODELS_REQUIRED: dict[str, tuple[str, ...]] = {"fdse": ("fdse-alexnet", "fdse-resnet18")}
-
-
 class ConfigError(ValueError):
     """The configuration is invalid; the message says which key and how to fix it."""
+
+
+def models_required(cfg: DictConfig) -> tuple[str, ...]:
+    """Models the configured strategy works with (empty = any), from the method table."""
+    return method(str(cfg.strategy.name), cfg.strategy).model
 
 
 def group_options(group: str) -> list[str]:
@@ -84,7 +88,7 @@ def _compose_cached(overrides_json: str) -> DictConfig:
     overrides = json.loads(overrides_json)
     _check_group_choices(overrides)
     cfg = _hydra_compose(overrides)
-    needs = MODELS_REQUIRED.get(str(cfg.strategy.name))
+    needs = models_required(cfg)
     user_chose_model = any(o.lstrip("+~").startswith("model=") for o in overrides)
     if needs and str(cfg.model.name) not in needs and not user_chose_model:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
@@ -170,13 +174,58 @@ def validate_config(cfg: DictConfig) -> None:
 
     if not OmegaConf.is_missing(cfg.dataset, "root") and cfg.dataset.source not in SOURCES:
         problems.append(f"dataset.source {cfg.dataset.source!r} is unknown; valid: {', '.join(SOURCES)}")
-    needs = MODELS_REQUIRED.get(str(cfg.strategy.name))
+    needs = models_required(cfg)
     if needs and str(cfg.model.name) not in needs:
         problems.append(f"strategy {cfg.strategy.name!r} needs model {' or '.join(needs)}, got "
                         f"model={cfg.model.name!r}")
+    try:
+        method_options(cfg.strategy)       # every option present, known and in range
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- command-line overrides
+# command-line key -> Flower run-config key (the inverse of RUN_CONFIG_KEYS)
+CLI_RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "model",
+                   "experiment": "experiment", "rounds": "rounds", "seed": "seed",
+                   "run_name": "run-name", "results_root": "results-root"}
+
+
+def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Separate run-config keys (strategy=..., seed=...) from other Hydra overrides."""
+    run_cfg: dict[str, str] = {}
+    rest: list[str] = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not KEY=VALUE (e.g. strategy=fedbn)")
+        key, value = ov.split("=", 1)
+        if key in CLI_RUN_CONFIG_KEYS:
+            run_cfg[CLI_RUN_CONFIG_KEYS[key]] = value
+        else:
+            rest.append(ov)
+    return run_cfg, rest
+
+
+def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
+    items = dict(run_cfg)
+    if rest:
+        items["overrides"] = " ".join(shlex.quote(o) for o in rest)
+    return " ".join(f"{k}={json.dumps(str(v))}" for k, v in items.items())
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """``a=1,2 b=x`` -> [[a=1, b=x], [a=2, b=x]] (comma lists are swept, as Hydra multirun)."""
+    axes = []
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if value.startswith("[") or "," not in value:
+            axes.append([ov])
+        else:
+            axes.append([f"{key}={v}" for v in value.split(",")])
+    return [list(c) for c in itertools.product(*axes)]

@@ -57,6 +57,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from learning.backbones import resnet18
+
 __all__ = [
     "DSEConv",
     "DSELinear",
@@ -625,9 +627,7 @@ def build_fdse_model(
             conv_padding=int(model_cfg.get("conv_padding", 1)),
         )
     if name == "fdse-resnet18":
-        from learning.models import _resnet18
-
-        model = _resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
+        model = resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
                           bool(model_cfg.get("small_input", True)))
         convert_resnet18_to_fdse(
             model.body, G=g, dw_size=dw,

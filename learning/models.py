@@ -9,17 +9,14 @@ coarse stages are found by :func:`parameter_groups`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from learning.backbones import ModelError, resnet18
+
 MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet", "fdse-resnet18")
-
-
-class ModelError(ValueError):
-    """A model cannot be built as configured; the message names the fix."""
 
 
 class SmallCNN(nn.Module):
@@ -151,41 +148,6 @@ class MLP(nn.Module):
         return self.head(self.body(x))
 
 
-def _resnet18(in_channels: int, num_classes: int, pretrained_path: str, small_input: bool) -> nn.Module:
-    import torchvision
-
-    model = torchvision.models.resnet18(weights=None)
-    if pretrained_path:
-        path = Path(pretrained_path)
-        if not path.is_file():
-            raise ModelError(
-                f"model.pretrained_path {pretrained_path!r} does not exist; give a local "
-                "torchvision resnet18 state_dict file or leave it empty"
-            )
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
-    if small_input or in_channels != 3:
-        model.conv1 = nn.Conv2d(in_channels, 64, 3 if small_input else 7, stride=1 if small_input else 2,
-                                padding=1 if small_input else 3, bias=False)
-        if small_input:
-            model.maxpool = nn.Identity()
-    head = nn.Linear(model.fc.in_features, num_classes)
-    model.fc = nn.Identity()
-    return _WithHead(model, head)
-
-
-class _WithHead(nn.Module):
-    """Wrap a backbone so its classifier is the attribute ``head``."""
-
-    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
-        super().__init__()
-        self.body = body
-        self.head = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
 def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
                 num_classes: int) -> nn.Module:
     """Build the configured model for inputs of ``input_shape`` (C, H, W)."""
@@ -200,7 +162,7 @@ def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
     if name == "alexnet-bn":
         return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)))
     if name == "resnet18":
-        return _resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
+        return resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
                          bool(model_cfg.get("small_input", True)))
     if name == "mlp":
         return MLP(c * h * w, num_classes, list(model_cfg.get("hidden", [128, 128])))

@@ -23,13 +23,15 @@ ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torc
 
 @dataclass
 class OptimConfig:
-    """Local optimiser settings (SGD by default, as in every paper we reproduce)."""
+    """Local optimiser settings. Runs build it with :meth:`from_cfg` from ``conf/``'s
+    ``train`` block (the only place defaults live); the field defaults are the neutral
+    plain-SGD choices for direct use (no momentum, no weight decay, one epoch)."""
 
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    lr: float
+    batch_size: int
+    momentum: float = 0.0
+    weight_decay: float = 0.0
     epochs: int = 1
-    batch_size: int = 32
     clip: float = 0.0
     optimizer: str = "sgd"
     amp: bool = False          # bfloat16/float16 autocast (CUDA: float16 with a GradScaler)
@@ -37,17 +39,66 @@ class OptimConfig:
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any], lr_scale: float = 1.0) -> OptimConfig:
+        """From a ``train`` config block; every key must be there (conf/config.yaml has them)."""
+        keys = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size", "clip", "optimizer",
+                "amp", "compile")
+        missing = [k for k in keys if k not in cfg]
+        if missing:
+            raise KeyError(f"train config lacks {missing}; compose it from conf/config.yaml")
         return cls(
-            lr=float(cfg.get("lr", 0.05)) * lr_scale,
-            momentum=float(cfg.get("momentum", 0.9)),
-            weight_decay=float(cfg.get("weight_decay", 0.0)),
-            epochs=int(cfg.get("local_epochs", cfg.get("epochs", 1))),
-            batch_size=int(cfg.get("batch_size", 32)),
-            clip=float(cfg.get("clip", 0.0)),
-            optimizer=str(cfg.get("optimizer", "sgd")),
-            amp=bool(cfg.get("amp", False)),
-            compile=bool(cfg.get("compile", False)),
+            lr=float(cfg["lr"]) * lr_scale,
+            momentum=float(cfg["momentum"]),
+            weight_decay=float(cfg["weight_decay"]),
+            epochs=int(cfg["local_epochs"]),
+            batch_size=int(cfg["batch_size"]),
+            clip=float(cfg["clip"]),
+            optimizer=str(cfg["optimizer"]),
+            amp=bool(cfg["amp"]),
+            compile=bool(cfg["compile"]),
         )
+
+
+@dataclass
+class LossTerm:
+    """A named term added to the task loss: ``weight * fn(model, x, y, logits)``. Its
+    unweighted per-batch mean is reported as the metric ``name``."""
+
+    name: str
+    fn: ExtraLoss
+    weight: float = 1.0
+
+
+class LossTerms:
+    """The sum of a method's loss terms, as one ``extra_loss`` for :func:`train_epochs`.
+
+    Values are accumulated on the device (float64, no host sync per step) and read once
+    by :meth:`metrics` after training.
+    """
+
+    def __init__(self, terms: Iterable[LossTerm]) -> None:
+        self.terms = list(terms)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._count = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.terms)
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for term in self.terms:
+            value = term.fn(model, x, y, logits)
+            acc = self._sums.get(term.name)
+            detached = value.detach().to(torch.float64)
+            self._sums[term.name] = detached if acc is None else acc + detached
+            weighted = value if term.weight == 1.0 else term.weight * value
+            total = weighted if total is None else total + weighted
+        self._count += 1
+        assert total is not None, "LossTerms called with no terms"
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        return {name: float(s) / self._count for name, s in self._sums.items()}
 
 
 def seed_everything(seed: int) -> None:

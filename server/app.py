@@ -10,6 +10,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
+from common.methods import method_options, strategy_class
 from learning.config import compose_config
 from learning.data import FederatedData, load_federated_data
 from learning.models import build_model
@@ -17,7 +18,6 @@ from learning.params import get_arrays
 from server.loop import run_federation
 from server.results import RunRecorder
 from strategies.base import PersonalizedStrategy
-from strategies.registry import strategy_class
 
 app = ServerApp()
 
@@ -32,10 +32,10 @@ def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy
         client_ids=data.client_ids,
         fraction_train=float(cfg.fraction_train),
         min_train_clients=min(int(cfg.min_train_clients), len(data.client_ids)),
-        weighted=bool(cfg.strategy.get("weighted", True)),
+        weighted=method_options(cfg.strategy).weighted,
         seed=int(cfg.seed),
         wait_for_clients=float(cfg.wait_for_clients),
-        norm_bound=float(cfg.get("norm_bound", 0.0)),
+        norm_bound=float(cfg.norm_bound),
         options=dict(cfg.strategy),
         model=model,
         cfg=cfg,

@@ -17,6 +17,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from common.protocol import to_record
 from server.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -26,7 +27,6 @@ from server.checkpoint import (
 )
 from server.results import RunRecorder
 from strategies.base import PersonalizedStrategy
-from strategies.protocol import to_record
 
 
 def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,8 +31,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from learning.params import NDArrays, num_bytes, weighted_mean
-from strategies.protocol import (
+from common.methods import method_options, parameter_roles
+from common.options import MethodOptions
+from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,
@@ -40,6 +42,8 @@ from strategies.protocol import (
     from_record,
     to_record,
 )
+from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
+from learning.params import NDArrays, num_bytes, weighted_mean
 
 
 class RoundFailedError(RuntimeError):
@@ -168,10 +172,34 @@ class PersonalizedStrategy(Strategy):
         self._sent_eval: list[int] = []
         self.eval_failed: dict[str, str] = {}
         self.model, self.cfg, self.data = model, cfg, data
+        # the method's validated options and parameter roles (common/), when configured
+        self.opts: MethodOptions | None = method_options(self.options) if "name" in self.options else None
+        self.roles: dict[str, str] = (parameter_roles(self.options, model)
+                                      if model is not None and "name" in self.options else {})
         # seconds to wait for identification (QUERY) replies; bounded like a round
         self.query_timeout = float(cfg.get("round_timeout", 600.0)) if cfg is not None else 600.0
 
+    def run_dir(self) -> Path | None:
+        """This run's results folder (for method files such as plots), when configured."""
+        if self.cfg is None:
+            return None
+        return Path(str(self.cfg.results_root)) / str(self.cfg.run_name)
+
     # ------------------------------------------------------------------ method hooks
+    def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Why an upload breaks the method's parameter roles (None if it does not): a client
+        uploads exactly its shared and personal tensors, never a local or frozen one."""
+        if not self.roles:
+            return None
+        leaked = sorted(k for k in arrays if self.roles.get(k) in (LOCAL, FROZEN))
+        if leaked:
+            return (f"uploaded {self.roles[leaked[0]]} tensors {leaked[:3]} (local-only and "
+                    "frozen tensors never leave the client)")
+        missing = sorted(set(keys_with(self.roles, *UPLOADED)) - set(arrays))
+        if missing:
+            return f"upload is missing {missing[:3]}; a {self.name} client uploads every shared and personal tensor"
+        return None
+
     def payload_for(self, client_id: str | None) -> NDArrays:
         """Arrays to send to one client: global, overlaid with its personal arrays."""
         payload = dict(self.global_arrays)
@@ -297,7 +325,8 @@ class PersonalizedStrategy(Strategy):
                 continue
             self.node_to_client[node] = cid
             arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), self.reference)
-            reason = validate_arrays(arrays, self.reference, self.norm_bound, self._sent.get(node))
+            reason = (validate_arrays(arrays, self.reference, self.norm_bound, self._sent.get(node))
+                      or self.check_upload(arrays))
             if reason is not None:
                 self.round_log.rejected[cid] = reason
                 log(WARNING, "rejected the update of client %s: %s", cid, reason)

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.common.logger import log
 
+from common.options import FDSEOptions
 from learning.params import NDArrays, is_float, weighted_mean
 from strategies.base import ClientUpdate, PersonalizedStrategy
 from strategies.fdse_math import (
@@ -69,13 +70,13 @@ __all__ = [
 _BN_STATS = ("running_mean", "running_var")
 
 
-def split_keys(classes: Mapping[str, str]) -> dict[str, list[str]]:
-    """Split ``parameter_classes`` output into the groups the server treats differently:
+def split_keys(roles: Mapping[str, str]) -> dict[str, list[str]]:
+    """Split the parameter roles (``common.roles``; FDSE's are its ``parameter_classes``) into the groups the server treats differently:
     ``consensus`` (shared float parameters), ``bn_stats`` (shared BN running mean/var),
     ``counters`` (shared ``num_batches_tracked``), ``personal`` and ``local``."""
     out: dict[str, list[str]] = {"consensus": [], "bn_stats": [], "counters": [],
                                  "personal": [], "local": []}
-    for key, cls in classes.items():
+    for key, cls in roles.items():
         leaf = key.rsplit(".", 1)[-1]
         if cls == "shared":
             if leaf in _BN_STATS:
@@ -103,28 +104,14 @@ class FDSE(PersonalizedStrategy):
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)
-        if self.model is None:
-            raise ValueError("FDSE needs the initial model (model=...) to find its shared, "
-                             "personal and local parameters; build it with learning.models.build_model")
-        from learning.fdse_model import dse_blocks, parameter_classes
-
-        if not dse_blocks(self.model):
-            raise ValueError(
-                f"strategy fdse needs an FDSE model (model=fdse-alexnet or fdse-resnet18), got "
-                f"{type(self.model).__name__} without DSE blocks"
-            )
-        self.classes = parameter_classes(self.model)
-        missing = [k for k in initial_arrays if k not in self.classes]
+        if self.model is None or not isinstance(self.opts, FDSEOptions):
+            raise ValueError("FDSE needs the initial model (model=...) and its options "
+                             "(options=cfg.strategy) to find its shared, personal and local parameters")
+        missing = [k for k in initial_arrays if k not in self.roles]
         if missing:
             raise ValueError(f"FDSE: initial arrays {missing[:3]} are not keys of the model")
-        self.groups = split_keys(self.classes)
-        self.tau = float(self.options.get("tau", 0.5))
-        if not self.tau > 0:
-            raise ValueError(f"strategy.tau must be > 0, got {self.tau}")
-        self.tol = float(self.options.get("consensus_tol", 1e-10))
-        self.zero_policy = str(self.options.get("zero_policy", "exclude"))
-        if self.zero_policy not in ("exclude", "include"):
-            raise ValueError(f"strategy.zero_policy must be exclude or include, got {self.zero_policy!r}")
+        self.groups = split_keys(self.roles)
+        self.tau, self.tol, self.zero_policy = self.opts.tau, self.opts.consensus_tol, self.opts.zero_policy
         local = set(self.groups["local"])
         # the server never holds nor sends local-only statistics
         self.global_arrays = {k: v for k, v in self.global_arrays.items() if k not in local}
@@ -132,28 +119,8 @@ class FDSE(PersonalizedStrategy):
         self.last_clients: list[str] = []
 
     # ------------------------------------------------------------------ aggregation
-    def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
-        """Why an upload is not a valid FDSE upload (None if it is): it must hold exactly
-        the shared and personal tensors, and never a local-only statistic."""
-        leaked = sorted(set(arrays) & set(self.groups["local"]))
-        if leaked:
-            return f"uploaded local-only statistics {leaked[:3]} (they must never leave the client)"
-        expected = set(self.groups["consensus"] + self.groups["bn_stats"]
-                       + self.groups["counters"] + self.groups["personal"])
-        if set(arrays) != expected:
-            return (f"upload is missing {sorted(expected - set(arrays))[:3]}; an FDSE client "
-                    "uploads every shared and personal tensor")
-        return None
-
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        uploaded = []
-        for u in updates:
-            reason = self.check_upload(u.arrays)
-            if reason is None:
-                uploaded.append(u)
-            else:
-                self.round_log.rejected[u.client_id] = reason
-                log(WARNING, "fdse: rejected the update of client %s: %s", u.client_id, reason)
+        uploaded = updates     # uploads breaking the roles were rejected in parse_replies
         if not uploaded:
             log(WARNING, "fdse: round %d had no valid uploads; nothing to aggregate", server_round)
             return

@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 
-from learning.models import parameter_groups
+from common.options import FedBABUOptions, FedProxOptions
+from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC
+from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, num_bytes
 from strategies.base import ClientUpdate, PersonalizedStrategy
 from strategies.fedbabu_math import (
-    HEAD_DIGEST_KEY,
-    HEAD_STORED_METRIC,
     average_body,
     head_digest,
     init_head,
@@ -44,13 +44,13 @@ class FedBABU(PersonalizedStrategy):
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)
-        if self.model is None:
-            raise ValueError("FedBABU needs the initial model to find its head (pass model=)")
-        self.head_keys: list[str] = list(parameter_groups(self.model)["head"])
-        if not self.head_keys:
-            raise ValueError(f"model {type(self.model).__name__} has no head.* keys")
+        if self.model is None or not isinstance(self.opts, FedBABUOptions | FedProxOptions):
+            raise ValueError("FedBABU needs the initial model and its options to find its head "
+                             "(pass model= and options=cfg.strategy)")
+        self.head_keys: list[str] = keys_with(self.roles, FROZEN)
         seed = int(self.cfg.seed) if self.cfg is not None else int(self.options.get("seed", 0))
-        mode = str(self.options.get("head_init", "orthogonal"))
+        mode = self.opts.head_init if isinstance(self.opts, FedBABUOptions) else "orthogonal"
+        self.head_init = mode
         _, head0 = split_head(self.global_arrays, self.head_keys)
         self.head: NDArrays = init_head(head0, seed, mode)
         self.global_arrays.update(self.head)
@@ -113,7 +113,7 @@ class FedBABU(PersonalizedStrategy):
 
     def summary_extras(self) -> dict[str, Any]:
         return {"head_bytes": num_bytes(self.head), "body_bytes": self._body_bytes(),
-                "head_init": str(self.options.get("head_init", "orthogonal")),
+                "head_init": self.head_init,
                 "head_sha256": self.head_sha}
 
     # ------------------------------------------------------------------ checkpoint

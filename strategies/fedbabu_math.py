@@ -21,8 +21,6 @@ import torch
 from learning.params import NDArrays, weighted_mean
 
 HEAD_INITS = ("orthogonal", "default")
-HEAD_DIGEST_KEY = "head-sha256"     # config key: the server's head digest, sent every round
-HEAD_STORED_METRIC = "head_stored"  # reply metric: 1.0 once the client has stored the head
 
 
 def init_head(head: Mapping[str, np.ndarray], seed: int, mode: str = "orthogonal") -> NDArrays:

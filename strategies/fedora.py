@@ -29,6 +29,7 @@ client gets its own back.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
@@ -40,11 +41,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from common.options import FEDORAOptions
+from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays
 from strategies.base import ClientUpdate, PersonalizedStrategy
 from strategies.fedora_math import (
-    LAMBDA_FORMS,
-    SIMILARITY_FORMS,
     data_subspace_basis,
     propagate,
     propagate_many,
@@ -55,6 +56,7 @@ from strategies.fedora_math import (
 
 __all__ = [
     "FEDORA",
+    "FEDORAOptions",
     "BASIS_RECORD",
     "BASIS_ARRAY",
     "NEED_BASIS_KEY",
@@ -67,50 +69,10 @@ __all__ = [
     "plot_similarity",
 ]
 
-#: Name of the extra ArrayRecord carrying a client's basis, and of the array inside it.
-BASIS_RECORD = "basis"
-BASIS_ARRAY = "u"
-#: Train-config key: comma-separated ids of the clients whose basis the server lacks.
-NEED_BASIS_KEY = "fedora-need-basis"
 
 _THETA_GROUP = "fedora-theta/"
 _BASIS_GROUP = "fedora-basis/"
 _GRAPH_GROUP = "fedora-graph"
-
-
-def fedora_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Validated FEDORA settings from ``cfg.strategy`` (conf/strategy/fedora.yaml)."""
-    alpha = float(options.get("alpha", 4.0))
-    if not np.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"strategy.alpha must be a finite number > 0, got {alpha}")
-    form = str(options.get("similarity", "paper"))
-    if form not in SIMILARITY_FORMS:
-        raise ValueError(f"strategy.similarity must be one of {SIMILARITY_FORMS}, got {form!r}")
-    lam_form = str(options.get("lambda_form", "paper"))
-    if lam_form not in LAMBDA_FORMS:
-        raise ValueError(f"strategy.lambda_form must be one of {LAMBDA_FORMS}, got {lam_form!r}")
-    top_k = options.get("top_k")
-    if top_k is not None:
-        top_k = int(top_k)
-        if top_k < 1:
-            raise ValueError(f"strategy.top_k must be >= 1 or null, got {top_k}")
-    rank = int(options.get("basis_rank", 1))
-    if rank < 1:
-        raise ValueError(f"strategy.basis_rank must be >= 1, got {rank}")
-    eps = float(options.get("eps", 1e-8))
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"strategy.eps must be a finite number >= 0, got {eps}")
-    return {
-        "alpha": alpha,
-        "similarity": form,
-        "top_k": top_k,
-        "temperature": float(options.get("temperature", 10.0)),
-        "self_loops": bool(options.get("self_loops", False)),
-        "basis_rank": rank,
-        "basis_labels": bool(options.get("basis_labels", False)),
-        "lambda_form": lam_form,
-        "eps": eps,
-    }
 
 
 class FEDORA(PersonalizedStrategy):
@@ -126,7 +88,9 @@ class FEDORA(PersonalizedStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.opts = fedora_options(self.options)
+        if not isinstance(self.opts, FEDORAOptions):
+            raise ValueError("FEDORA needs its options (options=cfg.strategy, conf/strategy/fedora.yaml)")
+        self.fedora: FEDORAOptions = self.opts
         self.bases: dict[str, np.ndarray] = {}
         self.theta: dict[str, NDArrays] = {}
         self.w: np.ndarray | None = None
@@ -134,7 +98,7 @@ class FEDORA(PersonalizedStrategy):
         self.basis_dim: int | None = None
         if self.data is not None:
             self.basis_dim = int(np.prod(self.data.input_shape))
-            if self.opts["basis_labels"]:
+            if self.fedora.basis_labels:
                 self.basis_dim += int(self.data.num_classes)
         self._round_notes: dict[str, Any] = {}
 
@@ -153,8 +117,8 @@ class FEDORA(PersonalizedStrategy):
         """Why an uploaded basis is unusable, or None."""
         if u.ndim != 2 or u.shape[1] < 1 or u.shape[0] < u.shape[1]:
             return f"basis must be a (d, p) matrix with 1 <= p <= d, got shape {u.shape}"
-        if u.shape[1] != self.opts["basis_rank"]:
-            return f"basis has rank {u.shape[1]}, strategy.basis_rank is {self.opts['basis_rank']}"
+        if u.shape[1] != self.fedora.basis_rank:
+            return f"basis has rank {u.shape[1]}, strategy.basis_rank is {self.fedora.basis_rank}"
         expected = self.basis_dim
         if expected is None and self.bases:
             expected = next(iter(self.bases.values())).shape[0]
@@ -187,18 +151,13 @@ class FEDORA(PersonalizedStrategy):
     def build_graph(self) -> None:
         """W from all K bases (paper or code form), saved and plotted in the run folder."""
         bases = [self.bases[c] for c in self.client_ids]
-        o = self.opts
-        self.w = subspace_similarity(bases, form=o["similarity"], top_k=o["top_k"],
-                                     temperature=o["temperature"], self_loops=o["self_loops"])
+        o = self.fedora
+        self.w = subspace_similarity(bases, form=o.similarity, top_k=o.top_k,
+                                     temperature=o.temperature, self_loops=o.self_loops)
         self.cosine_sum = subspace_similarity(bases, form="paper", self_loops=True)
         log(INFO, "FEDORA: similarity graph of %d clients built (%s form, top_k=%s)",
-            len(bases), o["similarity"], o["top_k"])
+            len(bases), o.similarity, o.top_k)
         self.save_similarity()
-
-    def run_dir(self) -> Path | None:
-        if self.cfg is None:
-            return None
-        return Path(str(self.cfg.results_root)) / str(self.cfg.run_name)
 
     def save_similarity(self) -> None:
         """Write ``similarity.npy`` (W used for propagation), ``similarity.json`` (both
@@ -211,7 +170,7 @@ class FEDORA(PersonalizedStrategy):
         (run_dir / "similarity.json").write_text(json.dumps(self.similarity_report(), indent=1))
         try:
             plot_similarity(run_dir / "similarity.png", self.cosine_sum, self.w, self.client_ids,
-                            self.opts["similarity"])
+                            self.fedora.similarity)
         except Exception as err:  # a plot must never stop the run
             log(WARNING, "FEDORA: could not plot the similarity matrix: %s", err)
 
@@ -219,12 +178,12 @@ class FEDORA(PersonalizedStrategy):
         assert self.w is not None and self.cosine_sum is not None
         return {
             "clients": list(self.client_ids),
-            "form": self.opts["similarity"],
-            "top_k": self.opts["top_k"],
-            "temperature": self.opts["temperature"],
-            "basis_rank": self.opts["basis_rank"],
-            "basis_labels": self.opts["basis_labels"],
-            "alpha": self.opts["alpha"],
+            "form": self.fedora.similarity,
+            "top_k": self.fedora.top_k,
+            "temperature": self.fedora.temperature,
+            "basis_rank": self.fedora.basis_rank,
+            "basis_labels": self.fedora.basis_labels,
+            "alpha": self.fedora.alpha,
             "cosine_sum": self.cosine_sum.tolist(),
             "w": self.w.tolist(),
         }
@@ -261,14 +220,14 @@ class FEDORA(PersonalizedStrategy):
         keys = [k for k in self.reference if np.issubdtype(self.reference[k].dtype, np.floating)
                 and all(k in r for r in rows)]
         stacked = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in keys}
-        out = propagate_many(stacked, self.w, self.opts["alpha"], isolated="keep")
+        out = propagate_many(stacked, self.w, self.fedora.alpha, isolated="keep")
         for i, cid in enumerate(ids):
             own = self.theta.get(cid, self.global_arrays)
             hat = {k: v for k, v in own.items() if k not in out}
             hat.update({k: out[k][i] for k in keys})
             self.personal[cid] = hat
         log(INFO, "FEDORA: propagated %d tensors over %d clients (alpha=%g)", len(keys), len(ids),
-            self.opts["alpha"])
+            self.fedora.alpha)
 
     # ------------------------------------------------------------------ records
     def round_extras(self, server_round: int) -> dict[str, Any]:
@@ -276,7 +235,7 @@ class FEDORA(PersonalizedStrategy):
 
     def summary_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fedora": {
-            "options": dict(self.opts),
+            "options": dataclasses.asdict(self.fedora),
             "bases_known": len(self.bases),
             "graph_built": self.w is not None,
         }}

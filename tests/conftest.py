@@ -1,12 +1,79 @@
-"""Shared test fixtures: small configs that build in well under a second."""
+"""Shared test helpers: small configs, the ``pflower`` command runner, a fake Flower grid.
+
+Markers: ``e2e`` = end-to-end runs of real processes (``pflower run``/``deploy``, Flower's
+simulation); CI runs the fast lane (``-m "not e2e"``) first, then the e2e lane.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from flwr.app import Message, MessageType
+from flwr.supercore.task_identity import TaskIdentity
+
+from common.protocol import make_reply
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pflower(*args: str, timeout: float = 600, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the ``pflower`` command (``python -m ops.cli``) to completion, output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+def pflower_popen(args: list[str], log: Path) -> subprocess.Popen:
+    """Start ``pflower`` in its own session (so a test can signal its whole tree), output to ``log``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], cwd=REPO, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture
+def flower_task() -> None:
+    """Messages can only be created inside a Flower task; pretend to be one."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+
+
+class FakeGrid:
+    """A Grid whose nodes answer through ``handler(client_id, message) -> Message | None``
+    (None = no reply); QUERY messages are answered with the client id, as the ClientApp
+    does. Node ids are arbitrary per instance, as in Flower."""
+
+    def __init__(self, client_ids: list[str],
+                 handler: Callable[[str, Message], Message | None] | None = None,
+                 node_base: int = 1000) -> None:
+        self.node_of = {cid: node_base + 7 * i + 3 for i, cid in enumerate(reversed(client_ids))}
+        self.client_of = {n: c for c, n in self.node_of.items()}
+        self.handler = handler
+        self.timeouts: list[float | None] = []
+        self.sent: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.client_of)
+
+    def send_and_receive(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
+        self.timeouts.append(timeout)
+        out = []
+        for msg in messages:
+            self.sent.append(msg)
+            cid = self.client_of[msg.metadata.dst_node_id]
+            if msg.metadata.message_type == MessageType.QUERY:
+                out.append(make_reply(msg, {}, {}, cid, 0))
+                continue
+            reply = self.handler(cid, msg) if self.handler is not None else None
+            if reply is not None:
+                out.append(reply)
+        return out
 
 
 @pytest.fixture

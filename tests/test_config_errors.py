@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from learning.config import ConfigError, compose_config, group_options
-from server import cli, launch
+from ops import cli, launch
 from server.checkpoint import save_checkpoint
 from server.loop import checkpoint_identity
 

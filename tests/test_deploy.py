@@ -21,11 +21,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from learning.storage import read_meta
-from server import deploy
-from server.certs import make_node_keys, make_tls, san_of, subject_alt_names
-from server.cli import to_toml_run_config
-from server.deploy import Deployment, node_config, parse_node_config, run_result, supernode_command
-from server.launch import free_port, kill_group
+from ops import deploy
+from ops.certs import make_node_keys, make_tls, san_of, subject_alt_names
+from ops.cli import to_toml_run_config
+from ops.deploy import Deployment, node_config, parse_node_config, run_result, supernode_command
+from ops.launch import free_port, kill_group
 
 REPO = Path(__file__).resolve().parent.parent
 # Small and tolerant of a busy 2-core machine: every message starts a ClientApp process.
@@ -103,7 +103,7 @@ def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):
 def _stop_tree(proc: subprocess.Popen) -> None:
     """Never leave a deployment behind, whatever happened in the test: Ctrl-C, then kill
     the command and every descendant that is still there."""
-    from server.launch import _descendants
+    from ops.launch import _descendants
 
     if proc.poll() is None:
         tree = _descendants(proc.pid)
@@ -161,14 +161,14 @@ def _run_cfg(strategy: str, run_name: str, results: Path, rounds: int = 2) -> st
 
 
 # ---------------------------------------------------------------------- deployments
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     """``pflower deploy`` (default: TLS + SuperNode authentication): 3 SuperNodes with
     registered keys, FedAvg then FedBN for 2 rounds each against the same SuperLink;
     results checked; no process left behind."""
     work = tmp_path / "work"
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "server.cli", "deploy", "--workdir", str(work), "--timeout", "900",
+    cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work), "--timeout", "900",
            "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}", *FAST]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -189,7 +189,7 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     assert not _leftovers(work), "processes left behind"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     """Insecure mode (asked for explicitly): FedAvg for 2 rounds, then FedBN for 3 rounds
     while SuperNode 1 is killed (its whole process group) after round 1 is recorded and
@@ -231,12 +231,12 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     assert not _leftovers(tmp_path / "work")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_unregistered_supernodes_are_refused_and_ctrl_c_stops_everything(tmp_path):
     """While ``pflower deploy`` (TLS + auth) runs, a SuperNode with an unregistered key and
     one with no key are refused; then Ctrl-C stops every process it started."""
     work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "server.cli", "deploy", "--workdir", str(work),
+    cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work),
            "experiment=deploy-3", "strategy=fedavg", "rounds=50", f"results_root={tmp_path}", *FAST]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -5,19 +5,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
+from conftest import pflower
 
 
-def _pflower(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-
-
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_pflower_run_writes_results_and_leaves_no_process(tmp_path):
-    proc = _pflower("run", "strategy=fedavg-ft", "rounds=2", "run_name=e2e", f"results_root={tmp_path}",
+    proc = pflower("run", "strategy=fedavg-ft", "rounds=2", "run_name=e2e", f"results_root={tmp_path}",
                     "finetune.epochs=1", "finetune.curve=true", "finetune.curve_epochs=[0,1,2]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "e2e"
@@ -44,15 +39,15 @@ def test_pflower_run_writes_results_and_leaves_no_process(tmp_path):
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert workdir not in ps, "a Flower process of this run is still running"
     # compare turns the run folder into a table
-    cmp = _pflower("compare", str(run), "--out", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"))
+    cmp = pflower("compare", str(run), "--out", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"))
     assert cmp.returncode == 0 and "| fedavg-ft | digits-domains |" in cmp.stdout
     assert (tmp_path / "t.png").exists()
 
 
 def test_unknown_names_fail_before_anything_starts(tmp_path):
-    proc = _pflower("run", "strategy=fedsgd", f"results_root={tmp_path}", timeout=120)
+    proc = pflower("run", "strategy=fedsgd", f"results_root={tmp_path}", timeout=120)
     assert proc.returncode == 2
     assert "unknown strategy 'fedsgd'" in proc.stderr and "fedavg" in proc.stderr
     assert "SuperLink" not in proc.stdout
-    proc = _pflower("run", "dataset=pacs", f"results_root={tmp_path}", timeout=120)
+    proc = pflower("run", "dataset=pacs", f"results_root={tmp_path}", timeout=120)
     assert proc.returncode == 2 and "dataset.root" in proc.stderr

@@ -8,14 +8,12 @@ obvious per-tensor computations, and the client against the FDSE privacy rule.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import pflower
 
 from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.trainer import MODEL_PREFIX, ClientRound
@@ -293,12 +291,11 @@ def test_digits_experiment_composes(setup):
 
 
 # ------------------------------------------------------------------ end to end
+@pytest.mark.e2e
 def test_pflower_run_fdse_end_to_end(tmp_path):
     """One short simulation, then the offline unseen-domain adaptation on its checkpoint."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "server.cli", "run", "strategy=fdse", "model=fdse-alexnet",
-           "experiment=fdse-digits", "rounds=2", "run_name=e2e", f"results_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = pflower("run", "strategy=fdse", "model=fdse-alexnet", "experiment=fdse-digits", "rounds=2",
+                   "run_name=e2e", f"results_root={tmp_path}", timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = tmp_path / "e2e"
     summary = json.loads((run / "summary.json").read_text())
@@ -311,8 +308,7 @@ def test_pflower_run_fdse_end_to_end(tmp_path):
 
     _, groups, _ = load_checkpoint(run, {"strategy": "fdse"})
     assert {f"personal/{c}" for c in "0123"} <= set(groups)
-    proc = subprocess.run([sys.executable, "-m", "client.fdse", "adapt", str(run), "--epochs", "1"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = pflower("adapt", str(run), "--epochs", "1", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((run / "unseen_adaptation.json").read_text())
     assert set(res["clients"]) == {"new-0", "new-1", "new-2", "new-3"}

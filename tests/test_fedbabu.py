@@ -9,18 +9,16 @@ runs one real ``pflower run``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import pflower
 
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
+from common.methods import trainer_class
 from learning.config import compose_config
 from learning.data import load_federated_data
 from learning.params import num_bytes
@@ -29,7 +27,6 @@ from server.results import build_summary
 from strategies.base import ClientUpdate
 from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
 from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
-from strategies.registry import trainer_class
 
 HEAD_KEYS = ["head.weight", "head.bias"]
 
@@ -175,7 +172,10 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     assert len(changed) >= len([k for k in body0 if k.endswith("weight")]) - 1  # the body trained
     assert strategy.head_acked == {"0", "1", "2"}
     # Control: with the same settings a FedAvg client does move the head (so the check above can fail).
-    fedavg_res = ClientTrainer(cfg).fit(_rnd(cfg, data, "0", 1, {}), strategy.payload_for(None), {})
+    fedavg_cfg = compose_config({"strategy": "fedavg", "dataset": "digits-shards", "rounds": "3"},
+                                ["dataset.clients_per_domain=3", "train.weight_decay=5e-4",
+                                 "train.momentum=0.9"])
+    fedavg_res = ClientTrainer(fedavg_cfg).fit(_rnd(fedavg_cfg, data, "0", 1, {}), strategy.payload_for(None), {})
     assert not np.array_equal(fedavg_res.upload["head.weight"], head0["head.weight"])
 
     # Evaluation: initial (global) accuracy = curve at 0 epochs; accuracy = after fine-tuning.
@@ -277,16 +277,12 @@ def test_table5_and_digits_experiment_configs_compose(tmp_path):
 
 
 # ----------------------------------------------------------------- end to end
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PFLOWER_E2E", "1") == "0", reason="PFLOWER_E2E=0")
+@pytest.mark.e2e
 def test_end_to_end_pflower_run(tmp_path):
     root = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "server.cli", "run", "strategy=fedbabu", "dataset=digits-shards",
-           "rounds=2", "run_name=babu-e2e", f"results_root={root}", "dataset.clients_per_domain=3",
-           "finetune.epochs=1", "finetune.curve=true", "finetune.curve_epochs=[0,1,2]"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = pflower("run", "strategy=fedbabu", "dataset=digits-shards", "rounds=2", "run_name=babu-e2e",
+                   f"results_root={root}", "dataset.clients_per_domain=3", "finetune.epochs=1",
+                   "finetune.curve=true", "finetune.curve_epochs=[0,1,2]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = root / "babu-e2e"
     summary = json.loads((run / "summary.json").read_text())

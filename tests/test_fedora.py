@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import FakeGrid, pflower
 
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
@@ -89,7 +87,7 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
     cfg = _cfg(f"strategy.lambda_form={form}")
     rnd = _round(cfg)
     weak, strong = _model(cfg, 1), _model(cfg, 2)
-    train_epochs(strong, rnd.data.train, OptimConfig(lr=0.05, epochs=5, batch_size=16),
+    train_epochs(strong, rnd.data.train, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=5, batch_size=16),
                  torch.device("cpu"), seed=0)
     own, hat = (weak, strong) if propagated_better else (strong, weak)
     state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
@@ -103,7 +101,7 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
         want = 0.0 if diff < 0 else math.exp(diff / 2)
 
     seen = {}
-    import client.fedora as cf
+    import client.trainer as cf  # the round's train step calls train_epochs from here
 
     real = cf.train_epochs
 
@@ -185,7 +183,7 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
     from flwr.app import ConfigRecord, Context, RecordDict
 
     from client.app import train
-    from strategies.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, to_record
+    from common.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, to_record
 
     run_config = {"strategy": "fedora", "dataset": "digits-rotated", "model": "mlp",
                   "results-root": str(tmp_path), "run-name": "t", "seed": 0,
@@ -227,8 +225,7 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
 
 # ------------------------------------------------------------------ server strategy
 def _strategy(num: int, tmp_path: Path | None = None, **options):
-    opts = {"name": "fedora", "alpha": 4.0, "similarity": "paper", "top_k": None,
-            "basis_rank": 1, "eps": 1e-8, **options}
+    opts = {**dict(compose_config({"strategy": "fedora"}).strategy), "top_k": None, **options}
     init = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32),
             "n": np.array(0, np.int64)}
     cfg = None
@@ -304,28 +301,16 @@ def test_strategy_code_form_and_bad_basis():
     assert np.all((s.w > 0).sum(axis=1) == 2)  # the code's top-2 graph
 
 
-class _Grid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return self.nodes
-
-
-def test_configure_train_asks_only_for_missing_bases(monkeypatch):
+def test_configure_train_asks_only_for_missing_bases(flower_task):
     from flwr.app import ArrayRecord, ConfigRecord
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr in ("_run_id", "_node_id", "_task_id"):  # Message() outside a Flower run
-        monkeypatch.setattr(TaskIdentity, attr, 1)
 
     rng = np.random.default_rng(2)
     s = _strategy(3)
-    s.node_to_client = {11: "0", 12: "1", 13: "2"}  # as identified by the base class
-    msgs = list(s.configure_train(1, ArrayRecord(), ConfigRecord({}), _Grid([11, 12, 13])))
+    grid = FakeGrid(["0", "1", "2"])
+    msgs = list(s.configure_train(1, ArrayRecord(), ConfigRecord({}), grid))
     assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,1,2"}
     s.aggregate_updates(1, [_update("1", rng, np.eye(6)[:, :1])])
-    msgs = list(s.configure_train(2, ArrayRecord(), ConfigRecord({}), _Grid([11, 12, 13])))
+    msgs = list(s.configure_train(2, ArrayRecord(), ConfigRecord({}), grid))
     assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,2"}
 
 
@@ -458,12 +443,10 @@ def test_experiment_configs_compose(tmp_path, exp, dataset, clients, model):
 
 
 # ------------------------------------------------------------------ end to end
-@pytest.mark.skipif(shutil.which("pflower") is None, reason="pflower CLI not installed")
+@pytest.mark.e2e
 def test_pflower_run_fedora_end_to_end(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = ["pflower", "run", "strategy=fedora", "dataset=digits-rotated", "model=mlp", "rounds=2",
-           f"results_root={tmp_path}", "run_name=e2e"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = pflower("run", "strategy=fedora", "dataset=digits-rotated", "model=mlp", "rounds=2",
+                   f"results_root={tmp_path}", "run_name=e2e", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "e2e"
     summary = json.loads((run / "summary.json").read_text())
@@ -480,7 +463,7 @@ def test_pflower_run_fedora_end_to_end(tmp_path):
 
 def test_compare_r_acc_and_ptr_against_local(tmp_path):
     """R-Acc = mean_k (acc_k - acc_k^local) / acc_k^local, PTR = share of clients > Local."""
-    from server.compare import compare_runs, relative_to_local
+    from ops.compare import compare_runs, relative_to_local
 
     def run(name, strategy, seed, accs):
         d = tmp_path / name

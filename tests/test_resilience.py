@@ -13,17 +13,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from conftest import FakeGrid, pflower_popen
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from client.state import ClientStateStore
+from common.protocol import make_reply, to_record
 from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 from server.checkpoint import (
     CheckpointError,
@@ -34,7 +34,6 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from strategies.base import ClientUpdate, PersonalizedStrategy, RoundFailedError, validate_arrays
-from strategies.protocol import make_reply, to_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,39 +41,8 @@ REF = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32), "n": np.
 
 
 @pytest.fixture(autouse=True)
-def task_identity() -> None:
-    """Messages can only be created inside a Flower task; pretend to be one."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-
-
-class FakeGrid:
-    """A Grid whose nodes answer through ``handler(client_id, message) -> Message | None``
-    (None = no reply). Node ids are arbitrary per instance, as in Flower."""
-
-    def __init__(self, client_ids: list[str], handler: Callable[[str, Message], Message | None],
-                 node_base: int = 1000) -> None:
-        self.node_of = {cid: node_base + 7 * i + 3 for i, cid in enumerate(reversed(client_ids))}
-        self.client_of = {n: c for c, n in self.node_of.items()}
-        self.handler = handler
-        self.timeouts: list[float | None] = []
-        self.sent: list[Message] = []
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.client_of)
-
-    def send_and_receive(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
-        self.timeouts.append(timeout)
-        out = []
-        for msg in messages:
-            self.sent.append(msg)
-            cid = self.client_of[msg.metadata.dst_node_id]
-            if msg.metadata.message_type == MessageType.QUERY:
-                out.append(make_reply(msg, {}, {}, cid, 0))
-                continue
-            reply = self.handler(cid, msg)
-            if reply is not None:
-                out.append(reply)
-        return out
+def _in_a_flower_task(flower_task: None) -> None:
+    """Every test here builds Messages."""
 
 
 def upload(value: float, n: int = 10, shape: tuple[int, ...] = (3, 2)) -> Callable[[str, Message], Message]:
@@ -372,12 +340,6 @@ def test_no_pickle_anywhere() -> None:
 
 
 # ---------------------------------------------------------------- end to end
-def _pflower(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "server.cli", "run", *args], cwd=REPO, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def _rounds(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -399,6 +361,7 @@ def _wait_for_round(proc: subprocess.Popen, run_dir: Path, rnd: int, timeout: fl
         time.sleep(0.2)
 
 
+@pytest.mark.e2e
 def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
     """fedbn, 4 rounds, client 1 crashes in round 2.
     (a) uninterrupted: the round completes without client 1, the failure is recorded;
@@ -406,17 +369,17 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         ``resume=<run dir>``: same final accuracies as (a);
     (c) too few clients (7 crash, min_train_clients=2): the run fails naming them, exit 1.
     (a) and (b) overlap, as do the resume and (c)."""
-    from server.cli import kill_tree
+    from ops.cli import kill_tree
 
     common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
               "faults.crash_clients=[1]", "faults.crash_round=2"]
-    ref = _pflower([*common, "run_name=ref"], tmp_path / "ref.log")
+    ref = pflower_popen(["run", *common, "run_name=ref"], tmp_path / "ref.log")
     killed = resume = few = None
     try:
         # start the second simulation once the first one's Ray is up (two Ray start-ups at
         # once can time out on a small, busy machine)
         _wait_for_round(ref, tmp_path / "ref", 1)
-        killed = _pflower([*common, "run_name=killed"], tmp_path / "killed.log")
+        killed = pflower_popen(["run", *common, "run_name=killed"], tmp_path / "killed.log")
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(tmp_path / "killed")):
             assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
@@ -427,9 +390,9 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         assert 2 in done and 4 not in done, done
         assert not (tmp_path / "killed" / "summary.json").exists()
 
-        resume = _pflower([*common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log")
+        resume = pflower_popen(["run", *common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log")
         _wait_for_round(resume, tmp_path / "killed", 3)
-        few = _pflower(["strategy=fedbn", "rounds=2", f"results_root={tmp_path}", "run_name=few",
+        few = pflower_popen(["run", "strategy=fedbn", "rounds=2", f"results_root={tmp_path}", "run_name=few",
                         "faults.crash_clients=[0,1,2,3,4,5,6]", "round_timeout=60"], tmp_path / "few.log")
         assert ref.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
         assert resume.wait(timeout=600) == 0, (tmp_path / "resume.log").read_text()[-3000:]

@@ -38,7 +38,7 @@ def test_frozen_parameters_never_move_with_momentum_and_weight_decay():
 def test_training_reduces_loss_with_and_without_amp(amp):
     model, ds = _model(), _data(128)
     before = evaluate(model, ds, torch.device("cpu"))["loss"]
-    train_epochs(model, ds, OptimConfig(lr=0.05, epochs=5, batch_size=16, amp=amp), torch.device("cpu"))
+    train_epochs(model, ds, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=5, batch_size=16, amp=amp), torch.device("cpu"))
     assert evaluate(model, ds, torch.device("cpu"))["loss"] < before
 
 
@@ -54,5 +54,5 @@ def test_nan_loss_is_a_clear_error():
     model = _model()
     x = torch.full((8, 1, 8, 8), float("nan"))
     with pytest.raises(FloatingPointError, match="lower train.lr"):
-        train_epochs(model, TensorDataset(x, torch.zeros(8, dtype=torch.long)), OptimConfig(batch_size=4),
+        train_epochs(model, TensorDataset(x, torch.zeros(8, dtype=torch.long)), OptimConfig(lr=0.05, batch_size=4),
                      torch.device("cpu"))

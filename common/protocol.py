@@ -26,6 +26,16 @@ NUM_EXAMPLES = "num-examples"
 CLIENT_INDEX = "client-index"     # int: participating client index, or -1 for named clients
 NEW_CLIENT_INDEX = "new-client-index"
 
+# ---- method-specific wire names (one place, read by both sides)
+# FedBABU: the server's head digest in the train config; the client's "head stored" metric
+HEAD_DIGEST_KEY = "head-sha256"
+HEAD_STORED_METRIC = "head_stored"
+# FEDORA: the extra record carrying a client's basis and the array in it; the train-config
+# key listing (comma-separated) the clients whose basis the server still lacks
+BASIS_RECORD = "basis"
+BASIS_ARRAY = "u"
+NEED_BASIS_KEY = "fedora-need-basis"
+
 
 def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Numpy dict -> ArrayRecord (order preserved)."""

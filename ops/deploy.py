@@ -7,7 +7,7 @@ identity, data and state directory by ``--node-config``; submits one run per str
 every process it started, also on failure, Ctrl-C or SIGTERM.
 
 Modes:
-- ``tls`` (default): a fresh CA and SuperLink certificate (``server/certs.py``), TLS on
+- ``tls`` (default): a fresh CA and SuperLink certificate (``ops/certs.py``), TLS on
   the Fleet, Control and runtime APIs, and SuperNode authentication: the SuperLink runs
   with ``--enable-supernode-auth``, each SuperNode's public key is registered with
   ``flwr supernode register`` and the SuperNode signs in with
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.launch import (
+from ops.launch import (
     APP_DIR,
     FEDERATION,
     LaunchError,
@@ -202,7 +202,7 @@ class Deployment:
         return self
 
     def _start(self) -> None:
-        from server.certs import make_node_keys, make_tls
+        from ops.certs import make_node_keys, make_tls
 
         extra_args: list[str] = []
         if self.secure:
@@ -237,7 +237,7 @@ class Deployment:
     def start_unregistered_node(self, index: int = 0, with_key: bool = True) -> SuperNode:
         """A SuperNode whose key was never registered, or with no key at all (both are
         refused in tls mode; Flower exits with code 305)."""
-        from server.certs import make_node_keys
+        from ops.certs import make_node_keys
 
         name = "unregistered" if with_key else "keyless"
         key = make_node_keys(self.certs, name)[0] if with_key and self.secure else None
@@ -312,9 +312,14 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from learning.config import ConfigError, compose_config
+    from learning.config import (
+        ConfigError,
+        compose_config,
+        expand_grid,
+        split_overrides,
+        to_toml_run_config,
+    )
     from learning.data import DatasetError, num_clients
-    from server.cli import expand_grid, split_overrides, to_toml_run_config
 
     jobs: list[tuple[str, Path]] = []
     nodes = args.nodes

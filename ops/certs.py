@@ -13,7 +13,7 @@
   The public key is registered with ``flwr supernode register supernode-<i>.pub <conn>``,
   the SuperNode starts with ``--auth-supernode-private-key supernode-<i>``.
 
-    python -m server.certs --out certs --host <SUPERLINK_IP> --host superlink --supernodes 3
+    python -m ops.certs --out certs --host <SUPERLINK_IP> --host superlink --supernodes 3
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _name(common_name: str) -> x509.Name:
 def make_tls(out: Path, hosts: Sequence[str], days: int = VALID_DAYS) -> TlsFiles:
     """Create a CA and a server certificate for ``hosts`` (plus localhost/127.0.0.1) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_cert = (
         x509.CertificateBuilder()
@@ -139,7 +139,7 @@ def san_of(cert_path: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.certs", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ops.certs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="certs", help="output folder (default: certs)")
     p.add_argument("--host", action="append", default=[],

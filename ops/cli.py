@@ -4,6 +4,7 @@
     pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
     pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
+    pflower adapt RUN_DIR [RUN_DIR ...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
 
 ``run`` validates the config before anything starts, runs the Flower simulation through
 ``flwr run`` against a private SuperLink, stops every process it started, and exits
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
-import shlex
 import signal
 import sys
 import time
@@ -25,34 +24,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from learning.config import ConfigError, compose_config
+from learning.config import (
+    ConfigError,
+    compose_config,
+    expand_grid,
+    split_overrides,
+    to_toml_run_config,
+)
 from learning.data import DatasetError, num_clients
-
-RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "model",
-                   "experiment": "experiment", "rounds": "rounds", "seed": "seed",
-                   "run_name": "run-name", "results_root": "results-root"}
-
-
-def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Separate run-config keys (strategy=..., seed=...) from other Hydra overrides."""
-    run_cfg: dict[str, str] = {}
-    rest: list[str] = []
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} is not KEY=VALUE (e.g. strategy=fedbn)")
-        key, value = ov.split("=", 1)
-        if key in RUN_CONFIG_KEYS:
-            run_cfg[RUN_CONFIG_KEYS[key]] = value
-        else:
-            rest.append(ov)
-    return run_cfg, rest
-
-
-def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
-    items = dict(run_cfg)
-    if rest:
-        items["overrides"] = " ".join(shlex.quote(o) for o in rest)
-    return " ".join(f"{k}={json.dumps(str(v))}" for k, v in items.items())
 
 
 def _num(x: float) -> str:
@@ -60,7 +39,7 @@ def _num(x: float) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
+    from ops.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
 
     try:
         run_cfg, rest = split_overrides(args.overrides)
@@ -178,7 +157,7 @@ def stale_processes(run_dir: Path) -> None:
     except (OSError, json.JSONDecodeError):
         return
     pid, pgid = info.get("pflower"), info.get("superlink_pgid")
-    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in _cmdline(pid) or "server.cli" in _cmdline(pid)):
+    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in _cmdline(pid) or "ops.cli" in _cmdline(pid)):
         raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
                           f"(kill {pid}) or wait for it to finish")
     if isinstance(pgid, int) and "flower-superlink" in _cmdline(pgid):
@@ -210,7 +189,7 @@ def resume_overrides(cfg: DictConfig, n: int, run_cfg: dict[str, str], rest: lis
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from server.compare import compare_runs
+    from ops.compare import compare_runs
 
     try:
         text = compare_runs([Path(p) for p in args.runs], out=Path(args.out) if args.out else None,
@@ -220,18 +199,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 2
     print(text)
     return 0
-
-
-def expand_grid(overrides: list[str]) -> list[list[str]]:
-    """``a=1,2 b=x`` -> [[a=1, b=x], [a=2, b=x]] (comma lists are swept, as Hydra multirun)."""
-    axes = []
-    for ov in overrides:
-        key, _, value = ov.partition("=")
-        if value.startswith("[") or "," not in value:
-            axes.append([ov])
-        else:
-            axes.append([f"{key}={v}" for v in value.split(",")])
-    return [list(c) for c in itertools.product(*axes)]
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -287,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=float, default=1.0)
     s.add_argument("--num-gpus", type=float, default=0.0)
     s.set_defaults(func=cmd_sweep)
-    from server.deploy import add_parser as add_deploy_parser
+    from ops.adapt import add_parser as add_adapt_parser
+    from ops.deploy import add_parser as add_deploy_parser
 
     add_deploy_parser(sub)
+    add_adapt_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

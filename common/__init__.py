@@ -1,0 +1,1 @@
+"""What server and client both read: the method table, wire constants, options, parameter roles."""

@@ -1,0 +1,201 @@
+"""One validated options object per method, read by the server and the client alike.
+
+The defaults live in ``conf/strategy/<name>.yaml`` and nowhere else: :func:`read_options`
+requires every field to be present in ``cfg.strategy`` (a missing key names the YAML file
+to fix) and rejects unknown keys (a typo such as ``strategy.muu`` fails before training,
+not silently). Each class checks its own ranges in ``__post_init__``.
+
+This module deliberately has no ``from __future__ import annotations``: the field types
+are read at run time to convert YAML values.
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+
+class OptionsError(ValueError):
+    """A strategy option is missing, unknown or out of range; the message names the fix."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise OptionsError(message)
+
+
+def _one_of(name: str, value: str, valid: tuple[str, ...]) -> None:
+    _check(value in valid, f"strategy.{name} must be one of {', '.join(valid)}, got {value!r}")
+
+
+def _finite(name: str, value: float, low: float = -math.inf, strict: bool = False) -> None:
+    ok = math.isfinite(value) and (value > low if strict else value >= low)
+    _check(ok, f"strategy.{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOptions:
+    """Options every method has: its name and whether server means are sample-weighted."""
+
+    name: str
+    weighted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProxOptions(MethodOptions):
+    """FedProx: ``mu`` of the proximal term mu/2 ||w - w^t||^2; ``body_only`` = the BABU form."""
+
+    mu: float
+    body_only: bool
+
+    def __post_init__(self) -> None:
+        _finite("mu", self.mu, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DittoOptions(MethodOptions):
+    """Ditto: ``lam`` of the personal model's proximal term; ``personal_epochs`` (null = the
+    local epochs) of personal training per round."""
+
+    lam: float
+    personal_epochs: int | None
+
+    def __post_init__(self) -> None:
+        _finite("lam", self.lam, 0.0)
+        _check(self.personal_epochs is None or self.personal_epochs >= 1,
+               f"strategy.personal_epochs must be >= 1 or null, got {self.personal_epochs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBABUOptions(MethodOptions):
+    """FedBABU: how the fixed head is initialised."""
+
+    head_init: str
+
+    def __post_init__(self) -> None:
+        _one_of("head_init", self.head_init, ("orthogonal", "default"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FDSEOptions(MethodOptions):
+    """FDSE: consistency loss (lam, beta, form, first round), server rules (tau,
+    consensus_tol, zero_policy) and unseen-domain adaptation (adapt_*)."""
+
+    lam: float
+    beta: float
+    tau: float
+    consistency_form: str
+    consistency_from_round: int
+    consensus_tol: float
+    zero_policy: str
+    adapt_epochs: int
+    adapt_lr: float
+    adapt_on: str
+
+    def __post_init__(self) -> None:
+        _finite("lam", self.lam, 0.0)
+        _finite("beta", self.beta)
+        _finite("tau", self.tau, 0.0, strict=True)
+        _one_of("consistency_form", self.consistency_form, ("paper", "code"))
+        _finite("consensus_tol", self.consensus_tol, 0.0)
+        _one_of("zero_policy", self.zero_policy, ("exclude", "include"))
+        _check(self.adapt_epochs >= 0, f"strategy.adapt_epochs must be >= 0, got {self.adapt_epochs}")
+        _finite("adapt_lr", self.adapt_lr, 0.0, strict=True)
+        _one_of("adapt_on", self.adapt_on, ("train", "test"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FEDORAOptions(MethodOptions):
+    """FEDORA: propagation strength, similarity form, data-subspace basis, selective lambda."""
+
+    alpha: float
+    similarity: str
+    top_k: int | None
+    temperature: float
+    self_loops: bool
+    basis_rank: int
+    basis_labels: bool
+    lambda_form: str
+    eps: float
+
+    def __post_init__(self) -> None:
+        _finite("alpha", self.alpha, 0.0, strict=True)
+        _one_of("similarity", self.similarity, ("paper", "code"))
+        _check(self.top_k is None or self.top_k >= 1, f"strategy.top_k must be >= 1 or null, got {self.top_k}")
+        _finite("temperature", self.temperature)
+        _check(self.basis_rank >= 1, f"strategy.basis_rank must be >= 1, got {self.basis_rank}")
+        _one_of("lambda_form", self.lambda_form, ("paper", "code"))
+        _finite("eps", self.eps, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialFedFixOptions(MethodOptions):
+    """PartialFed-Fix: the named loading rule (``strategies.partialfed_math.FIX_RULES``)."""
+
+    rule: str
+
+    def __post_init__(self) -> None:
+        _one_of("rule", self.rule, ("all", "no-bn", "no-fc", "no-bn-fc", "s1", "s1-s2", "s1-s3", "s1-s4",
+                                    "fc", "s4-fc", "s3-fc", "s2-fc", "ABCD", "abcd"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialFedAdaptiveOptions(MethodOptions):
+    """PartialFed-Adaptive: unit granularity, Gumbel temperature schedule, the f_m/f_s
+    alternation, the logits' learning rate and how the round's model is taken."""
+
+    granularity: str
+    tau_start: float
+    tau_end: float
+    tau_schedule: str
+    model_batches: int
+    strategy_batches: int
+    gate_lr: float | None
+    final: str
+    finetune_epochs: int
+
+    def __post_init__(self) -> None:
+        _one_of("granularity", self.granularity, ("stage", "block", "layer"))
+        _finite("tau_start", self.tau_start, 0.0, strict=True)
+        _finite("tau_end", self.tau_end, 0.0, strict=True)
+        _one_of("tau_schedule", self.tau_schedule, ("exp", "linear"))
+        _check(self.model_batches >= 1, f"strategy.model_batches (f_m) must be >= 1, got {self.model_batches}")
+        _check(self.strategy_batches >= 1,
+               f"strategy.strategy_batches (f_s) must be >= 1, got {self.strategy_batches}")
+        _check(self.gate_lr is None or self.gate_lr > 0, f"strategy.gate_lr must be > 0 or null, got {self.gate_lr}")
+        _one_of("final", self.final, ("soft", "hard"))
+        _check(self.finetune_epochs >= 0, f"strategy.finetune_epochs must be >= 0, got {self.finetune_epochs}")
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Convert a YAML value to the field's type (``int | None`` accepts null)."""
+    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return None if value is None else _coerce(name, value, args[0])
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                return value.lower() == "true"
+            return bool(value)
+        return typ(value)
+    except (TypeError, ValueError) as err:
+        raise OptionsError(f"strategy.{name} must be a {typ.__name__}, got {value!r}") from err
+
+
+def read_options(cls: type[MethodOptions], strategy: Mapping[str, Any]) -> MethodOptions:
+    """Build and validate ``cls`` from ``cfg.strategy``: every field required, no unknown keys."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    name = str(strategy.get("name", "?"))
+    missing = [k for k in fields if k not in strategy]
+    if missing:
+        raise OptionsError(f"strategy {name!r} is missing option(s) {', '.join(missing)}; they are "
+                           f"defined in conf/strategy/{name}.yaml (override with strategy.<key>=...)")
+    unknown = sorted(k for k in strategy if k not in fields)
+    if unknown:
+        raise OptionsError(f"unknown option(s) {', '.join('strategy.' + k for k in unknown)} for "
+                           f"strategy {name!r}; valid: {', '.join(sorted(fields))}")
+    return cls(**{k: _coerce(k, strategy[k], f.type) for k, f in fields.items()})

@@ -1,0 +1,95 @@
+"""One parameter partition: the role of every state-dict key, for client and server alike.
+
+A method labels every key of the model's state dict with one role:
+
+======== ======================= ========================== ===========================
+role     client loads it from     client trains / uploads     server
+======== ======================= ========================== ===========================
+shared   the payload             trains, uploads             aggregates into the global
+personal the payload (its own    trains, uploads             keeps one copy per client
+         server-side copy),
+         else its private state
+local    its private state (the  trains, never uploads       never holds or sends it
+         payload only before      (private state)             (except as the initial
+         the client has any)                                  model of the first round)
+frozen   the payload / private   never trains, never         sends it (once), never
+         state                    uploads                     changes it
+======== ======================= ========================== ===========================
+
+:func:`parameter_roles` is the single place that says which key has which role; the
+rule of each method is named in the method table (``common/methods.py``). Everything
+else (what a client keeps, trains and uploads; what the server averages, mixes per
+client or rejects) is derived from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+SHARED, PERSONAL, LOCAL, FROZEN = "shared", "personal", "local", "frozen"
+ROLES = (SHARED, PERSONAL, LOCAL, FROZEN)
+UPLOADED = (SHARED, PERSONAL)        # roles a client sends back
+KEPT = (PERSONAL, LOCAL)             # roles a client keeps in its private state
+
+
+def _all(role: str) -> Callable[[nn.Module], dict[str, str]]:
+    def rule(model: nn.Module) -> dict[str, str]:
+        return {k: role for k in model.state_dict()}
+    rule.__doc__ = f"every key is {role}"
+    return rule
+
+
+def _bn_local(model: nn.Module) -> dict[str, str]:
+    """FedBN: BN weights, biases and running statistics are local, the rest shared."""
+    from learning.models import parameter_groups
+
+    bn = set(parameter_groups(model)["bn"])
+    return {k: LOCAL if k in bn else SHARED for k in model.state_dict()}
+
+
+def _head_frozen(model: nn.Module) -> dict[str, str]:
+    """FedBABU: the head is frozen (fixed at its initialisation), the body shared."""
+    from learning.models import parameter_groups
+
+    head = set(parameter_groups(model)["head"])
+    if not head:
+        raise ValueError(f"model {type(model).__name__} has no head.* keys; this method needs a head")
+    return {k: FROZEN if k in head else SHARED for k in model.state_dict()}
+
+
+def _fdse(model: nn.Module) -> dict[str, str]:
+    """FDSE: DFE and head shared, DSE personal, BN_DSE running statistics local."""
+    from learning.fdse_model import dse_blocks, parameter_classes
+
+    if not dse_blocks(model):
+        raise ValueError(f"strategy fdse needs an FDSE model (model=fdse-alexnet or fdse-resnet18), "
+                         f"got {type(model).__name__} without DSE blocks")
+    return dict(parameter_classes(model))   # its classes are named as these roles
+
+
+RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
+    "all-shared": _all(SHARED),
+    "all-local": _all(LOCAL),
+    "all-personal": _all(PERSONAL),
+    "bn-local": _bn_local,
+    "head-frozen": _head_frozen,
+    "fdse": _fdse,
+}
+
+
+def roles_by_rule(rule: str, model: nn.Module) -> dict[str, str]:
+    """Apply the named rule to ``model``: ``{state-dict key: role}`` in state-dict order."""
+    if rule not in RULES:
+        raise ValueError(f"unknown parameter-role rule {rule!r}; valid: {', '.join(RULES)}")
+    roles = RULES[rule](model)
+    bad = {k: r for k, r in roles.items() if r not in ROLES}
+    if bad:
+        raise ValueError(f"rule {rule!r} gave unknown roles {bad}")
+    return roles
+
+
+def keys_with(roles: Mapping[str, str], *wanted: str) -> list[str]:
+    """Keys whose role is one of ``wanted`` (state-dict order)."""
+    return [k for k, r in roles.items() if r in wanted]

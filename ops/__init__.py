@@ -1,0 +1,1 @@
+"""Operator tools: the `pflower` command (run, sweep, compare, deploy, certs, adapt)."""

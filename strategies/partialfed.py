@@ -1,0 +1,110 @@
+"""PartialFed server (Sun et al., NeurIPS 2021): FedAvg over what the clients return.
+
+PartialFed's idea lives on the client (``client/partialfed.py``): which parameters a client
+loads from the global model. The server averages the clients' returned models
+(sample-weighted FedAvg, ``strategy.weighted``) and, for the Adaptive variant, records
+every client's probability of loading global per unit and round (the reply metrics
+``p_global/<unit>``): in ``metrics.jsonl`` (``partialfed.p_global``), in ``summary.json``
+(the last value per client and unit) and as the paper's Figure 3 (``gates.png``: one
+panel per unit, one line per client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any, ClassVar
+
+from flwr.common.logger import log
+
+from strategies.base import ClientUpdate, PersonalizedStrategy
+
+P_GLOBAL = "p_global/"
+
+
+class PartialFedFix(PersonalizedStrategy):
+    """PartialFed-Fix: FedAvg's server rule; each client loads part of the global model."""
+
+    name: ClassVar[str] = "partialfed-fix"
+
+
+class PartialFedAdaptive(PersonalizedStrategy):
+    """PartialFed-Adaptive: FedAvg's server rule; records the clients' learned gates."""
+
+    name: ClassVar[str] = "partialfed-adaptive"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate_history: dict[int, dict[str, dict[str, float]]] = {}   # round -> client -> unit -> p
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        super().aggregate_updates(server_round, updates)
+        self.gate_history[server_round] = {
+            u.client_id: {k[len(P_GLOBAL):]: v for k, v in u.metrics.items() if k.startswith(P_GLOBAL)}
+            for u in updates}
+        log(INFO, "partialfed: gates of %d clients recorded", len(updates))
+
+    def latest_gates(self) -> dict[str, dict[str, float]]:
+        """Each client's most recent probabilities of loading global, per unit."""
+        out: dict[str, dict[str, float]] = {}
+        for rnd in sorted(self.gate_history):
+            out.update(self.gate_history[rnd])
+        return out
+
+    def client_labels(self) -> dict[str, str]:
+        """``client <id> (<domain>)`` for the plot legend, when the data is known."""
+        clients = getattr(self.data, "clients", None) or {}
+        return {c: f"client {c} ({d.domain})" if getattr(d, "domain", "") else f"client {c}"
+                for c, d in clients.items()}
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        return {"partialfed": {"p_global": self.gate_history.get(server_round, {})}}
+
+    def summary_extras(self) -> dict[str, Any]:
+        run_dir = self.run_dir()
+        if run_dir is not None and self.gate_history:
+            try:
+                plot_gates(run_dir / "gates.png", self.gate_history, self.client_labels())
+            except Exception as err:  # a plot must never stop the run
+                log(WARNING, "partialfed: could not plot the gates: %s", err)
+        return {"partialfed_p_global": self.latest_gates()}
+
+    def state_meta(self) -> dict[str, Any]:
+        return {**super().state_meta(), "gate_history": {str(r): v for r, v in self.gate_history.items()}}
+
+    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
+        super().load_state_meta(meta)
+        self.gate_history = {int(r): v for r, v in meta.get("gate_history", {}).items()}
+
+
+def plot_gates(path: Path, history: Mapping[int, Mapping[str, Mapping[str, float]]],
+               labels: Mapping[str, str] | None = None) -> None:
+    """PartialFed's Figure 3: probability of loading global vs round, a panel per unit and a
+    line per client."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = sorted(history)
+    units = list(dict.fromkeys(u for r in rounds for c in history[r].values() for u in c))
+    clients = sorted({c for r in rounds for c in history[r]}, key=lambda c: (len(c), c))
+    cols = min(len(units), 5)
+    rows = (len(units) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)
+    for ax, unit in zip(axes.flat, units, strict=False):
+        for cid in clients:
+            pts = [(r, history[r][cid][unit]) for r in rounds if unit in history[r].get(cid, {})]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=(labels or {}).get(cid, f"client {cid}"))
+        ax.set_title(unit)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("round")
+    for ax in list(axes.flat)[len(units):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("P(load global)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
