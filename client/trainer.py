@@ -12,6 +12,7 @@ client's own copy of model tensors); the ClientApp persists it with ClientStateS
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,10 +23,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from common.methods import method_options, parameter_roles
+from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from learning.data import ClientSplit
-from learning.models import build_model, parameter_groups
+from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import (
     LossTerm,
@@ -116,8 +117,7 @@ class ClientTrainer:
 
     # ---------------------------------------------------------------- model pieces
     def new_model(self, rnd: ClientRound) -> nn.Module:
-        torch.manual_seed(int(self.cfg.seed))
-        return build_model(self.cfg.model, rnd.input_shape, rnd.num_classes)
+        return build_method_model(self.cfg, rnd.input_shape, rnd.num_classes)
 
     def roles(self, model: nn.Module) -> dict[str, str]:
         """``{state-dict key: role}`` of this method (``common.methods.parameter_roles``)."""
@@ -235,6 +235,26 @@ class ClientTrainer:
         return out
 
 
+    # ---------------------------------------------------------------- new clients
+    def new_client_modes(self) -> tuple[str, ...]:
+        """How this method personalises a client that never took part (FedBasis' protocol,
+        Sec. 6): ``ft`` fine-tunes the whole global model, ``lp`` only its classifier."""
+        return ("ft", "lp")
+
+    def new_client_lrs(self) -> dict[str, float]:
+        """Parameters a new client trains with their own learning rate (none by default)."""
+        return {}
+
+    def new_client_model(self, rnd: ClientRound, payload: NDArrays,
+                         mode: str) -> tuple[nn.Module, Callable[[str], bool]]:
+        """The starting model of a new client for ``mode`` and which parameters it learns."""
+        if mode not in ("ft", "lp"):
+            raise ValueError(f"{self.name} personalises new clients by ft or lp, not {mode!r}")
+        model = self.new_model(rnd)
+        set_arrays(model, self.receive(rnd, payload, {}))
+        return model, finetune_trainable(model, "full" if mode == "ft" else "head")
+
+
 def step_lr_scale(server_round: int, total_rounds: int, milestones: list[float], gamma: float) -> float:
     """Step decay (``train.lr_schedule: step``; FedBABU's schedule): the lr is multiplied by
     ``gamma`` once for every milestone m (a fraction of ``total_rounds``) that round
@@ -249,10 +269,45 @@ def step_lr_scale(server_round: int, total_rounds: int, milestones: list[float],
 
 
 def _prefixed_eval(model: nn.Module, rnd: ClientRound, prefix: str) -> dict[str, float]:
-    test = evaluate(model, rnd.data.test, rnd.device)
-    val = evaluate(model, rnd.data.val, rnd.device)
+    weights = rnd.data.class_weights
+    test = evaluate(model, rnd.data.test, rnd.device, class_weights=weights)
+    val = evaluate(model, rnd.data.val, rnd.device, class_weights=weights)
     return {f"{prefix}accuracy": test["accuracy"], f"{prefix}loss": test["loss"],
             f"{prefix}val_accuracy": val["accuracy"], f"{prefix}val_loss": val["loss"]}
+
+
+def personalize_curve(model: nn.Module, rnd: ClientRound, trainable: Callable[[str], bool],
+                      opt: OptimConfig, epochs: int,
+                      lr_of: Mapping[str, float] | None = None) -> list[dict[str, float]]:
+    """A new client's personalisation: train the ``trainable`` parameters of ``model`` for
+    ``epochs`` epochs on its train split (one optimiser throughout; ``lr_of`` gives some
+    parameters their own lr) and evaluate the validation and test splits before training
+    (epoch 0) and after every epoch."""
+    model = model.to(rnd.device)
+    own = dict(lr_of or {})
+    params = [p for n, p in model.named_parameters() if trainable(n) and n not in own]
+    special = [(n, p) for n, p in model.named_parameters() if trainable(n) and n in own]
+    if not params and not special:
+        raise ValueError("personalisation has no parameter to learn")
+    optimizer = make_optimizer(params, opt)
+    for n, p in special:
+        optimizer.add_param_group({"params": [p], "lr": float(own[n])})
+    curve = [{"epoch": 0.0, **_prefixed_eval(model, rnd, "")}]
+    one = dataclasses.replace(opt, epochs=1)
+    for epoch in range(1, epochs + 1):
+        train_epochs(model, rnd.data.train, one, rnd.device, seed=rnd.seed + epoch,
+                     trainable=trainable, optimizer=optimizer)
+        curve.append({"epoch": float(epoch), **_prefixed_eval(model, rnd, "")})
+    return curve
+
+
+def last_and_best(curve: list[dict[str, float]]) -> dict[str, float]:
+    """Test accuracy after the last epoch, and at the epoch with the best validation
+    accuracy (the earliest on ties; epochs >= 1), as FedBasis' Table 2 reports them."""
+    trained = [c for c in curve if c["epoch"] >= 1] or curve
+    best = max(trained, key=lambda c: (c["val_accuracy"], -c["epoch"]))
+    return {"last_accuracy": trained[-1]["accuracy"], "best_accuracy": best["accuracy"],
+            "best_epoch": best["epoch"], "start_accuracy": curve[0]["accuracy"]}
 
 
 def finetune_trainable(model: nn.Module, part: str) -> Callable[[str], bool]:
@@ -286,7 +341,8 @@ def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = Fals
     last = max([target, *curve])
     for epoch in range(0, last + 1):
         if epoch in curve:
-            out[f"ft_acc_e{epoch}"] = evaluate(model, rnd.data.test, rnd.device)["accuracy"]
+            out[f"ft_acc_e{epoch}"] = evaluate(model, rnd.data.test, rnd.device,
+                                               class_weights=rnd.data.class_weights)["accuracy"]
         if epoch == target:
             out.update(_prefixed_eval(model, rnd, "ft_"))
         if epoch == last:

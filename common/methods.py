@@ -20,6 +20,7 @@ from common.options import (
     DittoOptions,
     FDSEOptions,
     FedBABUOptions,
+    FedBasisOptions,
     FEDORAOptions,
     FedProxOptions,
     MethodOptions,
@@ -44,6 +45,7 @@ class Method:
     roles: str                      # parameter-role rule (common.roles.RULES)
     options: type[MethodOptions] = MethodOptions
     model: tuple[str, ...] = ()     # models it works with (empty = any)
+    wrapper: str = ""               # "module:function" wrapping the network (FedBasis' bases)
 
 
 METHODS: dict[str, Method] = {
@@ -66,6 +68,8 @@ METHODS: dict[str, Method] = {
     "partialfed-adaptive": Method("strategies.partialfed:PartialFedAdaptive",
                                   "client.partialfed:PartialFedAdaptiveTrainer", "all-shared",
                                   PartialFedAdaptiveOptions),
+    "fedbasis": Method("strategies.fedbasis:FedBasis", "client.fedbasis:FedBasisTrainer", "fedbasis",
+                       FedBasisOptions, wrapper="learning.basis:wrap_in_bases"),
 }
 
 # (method name, option that must be true) -> the variant's row
@@ -104,6 +108,27 @@ def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     """The validated options object of the configured strategy (``cfg.strategy``)."""
     name = str(strategy.get("name", ""))
     return read_options(method(name, strategy).options, strategy)
+
+
+def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
+                       num_classes: int) -> nn.Module:
+    """The model a method trains, identical on server and client: the configured network
+    (``cfg.model``) initialised from ``cfg.seed``, or the method's wrapper around copies of
+    it (copy k initialised from ``seed + 1000 k``; copy 0 is the plain network)."""
+    import torch
+
+    from learning.models import build_model
+
+    seed = int(cfg["seed"])
+
+    def make(k: int) -> nn.Module:
+        torch.manual_seed(seed + 1000 * k)
+        return build_model(cfg["model"], input_shape, num_classes)
+
+    row = method(str(cfg["strategy"].get("name", "")), cfg["strategy"])
+    if not row.wrapper:
+        return make(0)
+    return _load(row.wrapper)(make, method_options(cfg["strategy"]))  # type: ignore[operator]
 
 
 def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, str]:

@@ -169,6 +169,40 @@ class PartialFedAdaptiveOptions(MethodOptions):
         _check(self.finetune_epochs >= 0, f"strategy.finetune_epochs must be >= 0, got {self.finetune_epochs}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FedBasisOptions(MethodOptions):
+    """FedBasis (Chen et al., arXiv 2304.07882): the basis model and its coordinate descent.
+
+    ``num_bases`` K (besides the major basis when ``major``); one coefficient vector per unit
+    of ``granularity``; per round ``coeff_epochs`` on the logits (bases frozen, lr
+    ``coeff_lr``, null = train.lr), sharpening by ``sharpen_tau``, ``basis_epochs`` on the
+    bases (logits frozen); FedAvg for the first ``warm_fraction`` of the rounds, then the
+    bases are seeded from the clients' models by ``seed_bases`` (kmeans | sample); new
+    clients learn their logits and, with ``personalize_head``, the classifier.
+    """
+
+    num_bases: int
+    major: bool
+    granularity: str
+    coeff_epochs: int
+    basis_epochs: int
+    coeff_lr: float | None
+    sharpen_tau: float
+    warm_fraction: float
+    seed_bases: str
+    personalize_head: bool
+
+    def __post_init__(self) -> None:
+        _check(self.num_bases >= 1, f"strategy.num_bases must be >= 1, got {self.num_bases}")
+        _one_of("granularity", self.granularity, ("stage", "block", "layer"))
+        _check(self.coeff_epochs >= 0, f"strategy.coeff_epochs must be >= 0, got {self.coeff_epochs}")
+        _check(self.basis_epochs >= 0, f"strategy.basis_epochs must be >= 0, got {self.basis_epochs}")
+        _check(self.coeff_lr is None or self.coeff_lr > 0, f"strategy.coeff_lr must be > 0 or null, got {self.coeff_lr}")
+        _check(0 < self.sharpen_tau <= 1, f"strategy.sharpen_tau must be in (0, 1], got {self.sharpen_tau}")
+        _check(0 <= self.warm_fraction < 1, f"strategy.warm_fraction must be in [0, 1), got {self.warm_fraction}")
+        _one_of("seed_bases", self.seed_bases, ("kmeans", "sample"))
+
+
 def _coerce(name: str, value: Any, typ: Any) -> Any:
     """Convert a YAML value to the field's type (``int | None`` accepts null)."""
     if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:

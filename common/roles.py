@@ -69,6 +69,15 @@ def _fdse(model: nn.Module) -> dict[str, str]:
     return dict(parameter_classes(model))   # its classes are named as these roles
 
 
+def _fedbasis(model: nn.Module) -> dict[str, str]:
+    """FedBasis: the bases (and the major basis) shared, the combination logits local."""
+    from learning.basis import COEFF_KEY
+
+    if COEFF_KEY not in model.state_dict():
+        raise ValueError(f"strategy fedbasis needs its basis model, got {type(model).__name__}")
+    return {k: LOCAL if k == COEFF_KEY else SHARED for k in model.state_dict()}
+
+
 RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
     "all-shared": _all(SHARED),
     "all-local": _all(LOCAL),
@@ -76,6 +85,7 @@ RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
     "bn-local": _bn_local,
     "head-frozen": _head_frozen,
     "fdse": _fdse,
+    "fedbasis": _fedbasis,
 }
 
 

@@ -33,6 +33,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from learning.partition import (
     PartitionError,
     partition_indices,
+    pflbed_split,
     split_among_domains,
     split_train_val_test,
 )
@@ -56,6 +57,9 @@ class ClientSplit:
     train_ids: np.ndarray = field(repr=False)   # global sample ids (unique across domains)
     val_ids: np.ndarray = field(repr=False)
     test_ids: np.ndarray = field(repr=False)
+    # PFLBED: the client's train label distribution P_m(y); accuracy on the shared test
+    # set then weighs each sample by P_m(y_i) (FedBasis, Sec. 5). None = plain accuracy.
+    class_weights: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def num_train(self) -> int:
@@ -330,39 +334,24 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
     big, factor = _imbalance(cfg, len(domains) * per_domain)
     clients: dict[str, ClientSplit] = {}
     new_clients: dict[str, ClientSplit] = {}
+    split = str(cfg.get("split", "per-client"))
+    if split not in ("per-client", "pflbed"):
+        raise DatasetError(f"unknown dataset.split {split!r}; valid: per-client (each client's own "
+                           "train/val/test), pflbed (FedBasis' shared, class-balanced test per domain)")
     for d, (name, (pool, labels)) in enumerate(zip(domains, pools, strict=True)):
-        total = per_domain + new_per_domain
-        try:
-            parts = partition_indices(
-                labels,
-                total,
-                scheme=str(cfg.get("partition", "dirichlet")),
-                seed=rng_seed + 101 * d,
-                dirichlet_alpha=float(cfg.get("dirichlet_alpha", 0.5)),
-                shards_per_client=int(cfg.get("shards_per_client", 2)),
-            )
-        except PartitionError as err:
-            raise DatasetError(f"domain {name!r}: {err}") from err
-        cap = int(cfg.get("samples_per_client", 0))
-        for k, part in enumerate(parts):
-            is_big = k < per_domain and d * per_domain + k == big
-            limit = cap * factor if (cap and is_big) else cap
-            if limit and len(part) > limit:
-                part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:limit])
-            tr, va, te = split_train_val_test(
-                part,
-                float(cfg.get("val_fraction", 0.15)),
-                float(cfg.get("test_fraction", 0.2)),
-                seed=rng_seed + 1000 * d + k,
-            )
-            if big >= 0 and not cap and not is_big:  # others keep 1/factor of their train split
-                tr = tr[: max(1, len(tr) // factor)]
+        if split == "pflbed":
+            splits = _pflbed_splits(cfg, labels, per_domain, new_per_domain, seed=rng_seed + 101 * d, domain=name)
+        else:
+            splits = _per_client_splits(cfg, labels, per_domain, new_per_domain, big, factor, rng_seed, d, name)
+        for k, (tr, va, te) in enumerate(splits):
             if k < per_domain:
                 cid = str(d * per_domain + k)
                 target = clients
             else:
                 cid = f"new-{d * new_per_domain + (k - per_domain)}"
                 target = new_clients
+            weights = (np.bincount(labels[tr], minlength=num_classes) / max(len(tr), 1)
+                       if split == "pflbed" else None)
             target[cid] = ClientSplit(
                 client_id=cid,
                 domain=name,
@@ -372,6 +361,7 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
                 train_ids=global_ids[d][tr],
                 val_ids=global_ids[d][va],
                 test_ids=global_ids[d][te],
+                class_weights=weights,
             )
     return FederatedData(
         name=str(cfg.get("name", source)),
@@ -380,6 +370,57 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         clients=clients,
         new_clients=new_clients,
     )
+
+
+def _per_client_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: int, new_per_domain: int,
+                       big: int, factor: int, rng_seed: int, d: int, name: str
+                       ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The default split: the domain across its clients (``partition``), then each client's
+    samples into its own train/val/test."""
+    try:
+        parts = partition_indices(
+            labels,
+            per_domain + new_per_domain,
+            scheme=str(cfg.get("partition", "dirichlet")),
+            seed=rng_seed + 101 * d,
+            dirichlet_alpha=float(cfg.get("dirichlet_alpha", 0.5)),
+            shards_per_client=int(cfg.get("shards_per_client", 2)),
+        )
+    except PartitionError as err:
+        raise DatasetError(f"domain {name!r}: {err}") from err
+    cap = int(cfg.get("samples_per_client", 0))
+    out = []
+    for k, part in enumerate(parts):
+        is_big = k < per_domain and d * per_domain + k == big
+        limit = cap * factor if (cap and is_big) else cap
+        if limit and len(part) > limit:
+            part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:limit])
+        tr, va, te = split_train_val_test(
+            part,
+            float(cfg.get("val_fraction", 0.15)),
+            float(cfg.get("test_fraction", 0.2)),
+            seed=rng_seed + 1000 * d + k,
+        )
+        if big >= 0 and not cap and not is_big:  # others keep 1/factor of their train split
+            tr = tr[: max(1, len(tr) // factor)]
+        out.append((tr, va, te))
+    return out
+
+
+def _pflbed_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: int, new_per_domain: int,
+                   seed: int, domain: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """PFLBED (FedBasis, Sec. 5): every client of the domain, participating then new, with
+    its own Dirichlet train split and the domain's shared class-balanced val and test sets."""
+    if str(cfg.get("partition", "dirichlet")) != "dirichlet":
+        raise DatasetError("dataset.split=pflbed splits clients by Dirichlet over classes; "
+                           "set dataset.partition=dirichlet")
+    try:
+        trains, news, val, test = pflbed_split(
+            labels, per_domain, new_per_domain, float(cfg.get("val_fraction", 0.05)),
+            float(cfg.get("test_fraction", 0.15)), float(cfg.get("dirichlet_alpha", 0.3)), seed)
+    except PartitionError as err:
+        raise DatasetError(f"domain {domain!r}: {err}") from err
+    return [(tr, val, test) for tr in [*trains, *news]]
 
 
 def _imbalance(cfg: Mapping[str, Any], num_participating: int) -> tuple[int, int]:

@@ -139,3 +139,47 @@ def split_among_domains(n: int, num_domains: int, seed: int) -> list[np.ndarray]
     """
     perm = np.random.default_rng(seed).permutation(n)
     return [np.sort(p) for p in np.array_split(perm, num_domains)]
+
+
+def pflbed_split(labels: np.ndarray, num_clients: int, num_new: int, val_fraction: float,
+                 test_fraction: float, dirichlet_alpha: float, seed: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+    """One domain under PFLBED (FedBasis, Sec. 5): ``(client trains, new-client trains,
+    shared val, shared test)``, indices into ``labels``.
+
+    First a class-balanced test set and validation set, shared by every client of the
+    domain (per class ``round(fraction x n / classes)`` samples, fewer where a class has
+    fewer); the rest is split, class-stratified, between participating and new clients in
+    proportion to their numbers, and each part across its clients by Dirichlet(alpha)
+    over classes (flwr-datasets, via :func:`partition_indices`)."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    n = len(labels)
+    per_test = max(1, int(round(test_fraction * n / len(classes))))
+    per_val = max(1, int(round(val_fraction * n / len(classes))))
+    test, val, rest = [], [], []
+    for c in classes:
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        t = min(per_test, max(0, len(idx) - 2))
+        v = min(per_val, max(0, len(idx) - t - 1))
+        test.append(idx[:t])
+        val.append(idx[t:t + v])
+        rest.append(idx[t + v:])
+    new_share = num_new / (num_clients + num_new)
+    part_pool, new_pool = [], []
+    for idx in rest:
+        k = int(round(new_share * len(idx)))
+        new_pool.append(idx[:k])
+        part_pool.append(idx[k:])
+
+    def spread(pool: list[np.ndarray], count: int, salt: int) -> list[np.ndarray]:
+        if count == 0:
+            return []
+        ids = np.sort(np.concatenate(pool))
+        parts = partition_indices(labels[ids], count, "dirichlet", seed=seed + salt,
+                                  dirichlet_alpha=dirichlet_alpha)
+        return [ids[p] for p in parts]
+
+    return (spread(part_pool, num_clients, 1), spread(new_pool, num_new, 2),
+            np.sort(np.concatenate(val)), np.sort(np.concatenate(test)))

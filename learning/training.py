@@ -188,18 +188,32 @@ def train_epochs(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: int = 256) -> dict[str, float]:
-    """Cross-entropy loss and accuracy of ``model`` on ``ds`` (eval mode)."""
+def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: int = 256,
+             class_weights: np.ndarray | None = None) -> dict[str, float]:
+    """Cross-entropy loss and accuracy of ``model`` on ``ds`` (eval mode).
+
+    With ``class_weights`` (PFLBED: the client's train label distribution P(y)) the
+    accuracy is sum_i P(y_i) 1[correct_i] / sum_i P(y_i), FedBasis' Sec. 5 metric."""
     model.to(device).eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    w = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float64, device=device)
     total, correct, loss_sum = 0, 0, 0.0
+    w_correct = torch.zeros((), dtype=torch.float64, device=device)
+    w_total = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in make_loader(ds, batch_size, shuffle=False):
         x, y = x.to(device), y.to(device)
         logits = model(x)
         loss_sum += float(loss_fn(logits, y))
-        correct += int((logits.argmax(1) == y).sum())
+        hits = logits.argmax(1) == y
+        correct += int(hits.sum())
         total += len(y)
-    return {"loss": loss_sum / max(total, 1), "accuracy": correct / max(total, 1), "num": float(total)}
+        if w is not None:
+            w_correct += (w[y] * hits).sum()
+            w_total += w[y].sum()
+    accuracy = correct / max(total, 1)
+    if w is not None:
+        accuracy = float(w_correct / w_total) if float(w_total) > 0 else 0.0
+    return {"loss": loss_sum / max(total, 1), "accuracy": accuracy, "num": float(total)}
 
 
 def proximal_term(reference: Mapping[str, torch.Tensor], mu: float,

@@ -5,6 +5,10 @@
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
     pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
     pflower adapt RUN_DIR [RUN_DIR ...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
+    pflower personalize RUN_DIR [RUN_DIR ...] [--lr LR ...] [--sizes S=0.25,M=0.5,L=1] [--epochs E]
+
+A FedBasis run whose dataset has new clients is followed by their personalisation at
+``personalize.lr`` (``new_client_accuracy_*`` in its summary.json).
 
 ``run`` validates the config before anything starts, runs the Flower simulation through
 ``flwr run`` against a private SuperLink, stops every process it started, and exits
@@ -80,7 +84,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"pflower: run did not complete (flwr exit code {code}, no fresh {summary}); "
               "see the log above", file=sys.stderr)
         return 1
+    if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.get("new_clients_per_domain", 0)) > 0:
+        from ops.personalize import personalize_run
+
+        settings = cfg.personalize
+        try:
+            personalize_run(run_dir, lrs=[float(settings.lr)],
+                            sizes={"L": max(float(v) for v in settings.sizes.values())})
+        except (ValueError, FileNotFoundError, RuntimeError) as err:
+            print(f"pflower: the run completed, but personalising its new clients failed: {err}; "
+                  f"retry with: pflower personalize {run_dir}", file=sys.stderr)
+            return 1
     s = json.loads(summary.read_text())
+    if "new_client_accuracy_mean" in s:
+        print(f"pflower: new clients (personalised, {cfg.personalize.epochs} epochs at lr {cfg.personalize.lr}): "
+              f"accuracy mean {s['new_client_accuracy_mean']:.4f} min {s['new_client_accuracy_min']:.4f}")
     print(f"pflower: done. accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
           f"std {s['accuracy_std']:.4f} -> {summary}")
     return 0
@@ -256,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_sweep)
     from ops.adapt import add_parser as add_adapt_parser
     from ops.deploy import add_parser as add_deploy_parser
+    from ops.personalize import add_parser as add_personalize_parser
 
     add_deploy_parser(sub)
     add_adapt_parser(sub)
+    add_personalize_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

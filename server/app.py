@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from logging import ERROR, INFO
 
-import torch
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.methods import method_options, strategy_class
+from common.methods import build_method_model, method_options, strategy_class
 from learning.config import compose_config
 from learning.data import FederatedData, load_federated_data
-from learning.models import build_model
 from learning.params import get_arrays
 from server.loop import run_federation
 from server.results import RunRecorder
@@ -24,8 +22,7 @@ app = ServerApp()
 
 def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy:
     """Initial model from the run seed, then the configured strategy around it."""
-    torch.manual_seed(int(cfg.seed))
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    model = build_method_model(cfg, data.input_shape, data.num_classes)
     cls = strategy_class(str(cfg.strategy.name), cfg.strategy)
     return cls(
         initial_arrays=get_arrays(model),

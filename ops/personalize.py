@@ -1,0 +1,164 @@
+"""``pflower personalize RUN [RUN ...]``: personalise new clients from a finished run.
+
+FedBasis' protocol (Chen et al., Sec. 6, Tables 2 and 4): every held-out client of the
+run's dataset (``dataset.new_clients_per_domain``) starts from the run's final server
+state and learns, on a share of its train split (sizes S/M/L) with each learning rate,
+for ``personalize.epochs`` epochs, what its method learns for a client that never took
+part: FedBasis its coefficients (+ the classifier), the global-model methods either the
+whole model (``ft``) or the classifier only (``lp``, linear probe). Test accuracy is
+reported after the last epoch and at the epoch with the best validation accuracy.
+
+The client side is the method's own trainer (``ClientTrainer.new_client_model`` and
+:func:`client.trainer.personalize_curve`), so this is the client's code, run by an
+operator on data the server never holds. Writes ``<run>/new_clients.json`` and adds
+``new_client_accuracy_{mean,min}`` (last epoch) and ``new_client_accuracy_best_{mean,min}``
+at ``personalize.lr`` and the largest size to ``<run>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Subset
+
+from client.trainer import ClientRound, last_and_best, personalize_curve
+from common.methods import trainer_class
+from learning.config import compose_config
+from learning.data import ClientSplit, load_federated_data
+from learning.models import resolve_device
+from learning.training import OptimConfig
+from server.checkpoint import load_checkpoint
+
+
+def subset_train(split: ClientSplit, share: float, seed: int) -> ClientSplit:
+    """The client with only ``share`` of its train split (a fixed random subset)."""
+    n = len(split.train)
+    keep = max(1, int(round(share * n)))
+    idx = np.sort(np.random.default_rng(seed).permutation(n)[:keep])
+    return dataclasses.replace(split, train=Subset(split.train, idx.tolist()), train_ids=split.train_ids[idx])
+
+
+def protocol(cfg: DictConfig) -> dict[str, Any]:
+    """The run's ``personalize`` settings (the current defaults for runs made before they existed)."""
+    block = cfg.get("personalize") or compose_config({}).personalize
+    return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
+
+
+def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: Mapping[str, float] | None = None,
+                    epochs: int | None = None, clients: list[str] | None = None) -> dict[str, Any]:
+    """Run the new-client protocol on one finished run; returns (and writes) the results."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
+    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
+    settings = protocol(cfg)
+    lrs = [float(x) for x in (lrs or settings["lrs"])]
+    sizes = dict(sizes or settings["sizes"])
+    epochs = int(epochs if epochs is not None else settings["epochs"])
+    last_round, groups, _ = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
+    payload = groups["global"]
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    if not data.new_clients:
+        raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no new clients; run with "
+                         "dataset.new_clients_per_domain >= 1")
+    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
+    device = resolve_device(str(cfg.device))
+    opt = OptimConfig(lr=lrs[0], batch_size=int(settings["batch_size"]), momentum=float(settings["momentum"]),
+                      weight_decay=float(settings["weight_decay"]), epochs=1, clip=float(cfg.train.clip),
+                      optimizer=str(cfg.train.optimizer))
+    results: dict[str, Any] = {}
+    for cid in clients or sorted(data.new_clients, key=lambda c: int(c.split("-")[1])):
+        split = data.new_clients[cid]
+        per_mode: dict[str, Any] = {}
+        for mode in trainer.new_client_modes():
+            for size, share in sizes.items():
+                part = subset_train(split, float(share), int(cfg.seed))
+                for lr in lrs:
+                    rnd = ClientRound(cfg=cfg, client_id=cid, data=part, num_classes=data.num_classes,
+                                      input_shape=data.input_shape, device=device, server_round=last_round + 1)
+                    model, trainable = trainer.new_client_model(rnd, payload, mode)
+                    curve = personalize_curve(model, rnd, trainable, dataclasses.replace(opt, lr=lr), epochs,
+                                              trainer.new_client_lrs())
+                    per_mode.setdefault(mode, {}).setdefault(size, {})[str(lr)] = {
+                        **last_and_best(curve), "num_train": len(part.train),
+                        "test_curve": [c["accuracy"] for c in curve]}
+        results[cid] = {"domain": split.domain, "results": per_mode}
+    table = summarise(results)
+    out = {"settings": {"epochs": epochs, "lrs": lrs, "sizes": sizes, "batch_size": opt.batch_size,
+                        "momentum": opt.momentum, "weight_decay": opt.weight_decay, "round": last_round},
+           "summary": table, "clients": results}
+    (run / "new_clients.json").write_text(json.dumps(out, indent=2))
+    lr = float(settings["lr"]) if float(settings["lr"]) in lrs else lrs[0]
+    update_summary(run, table, trainer.new_client_modes()[0], str(lr), max(sizes, key=lambda s: float(sizes[s])))
+    return out
+
+
+def summarise(results: Mapping[str, Any]) -> dict[str, Any]:
+    """Mean and min over new clients of last and best accuracy, per mode, size and lr."""
+    table: dict[str, Any] = {}
+    cells: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for r in results.values():
+        for mode, by_size in r["results"].items():
+            for size, by_lr in by_size.items():
+                for lr, m in by_lr.items():
+                    cells.setdefault((mode, size, lr), []).append(m)
+    for (mode, size, lr), ms in cells.items():
+        last = np.array([m["last_accuracy"] for m in ms])
+        best = np.array([m["best_accuracy"] for m in ms])
+        table.setdefault(mode, {}).setdefault(size, {})[lr] = {
+            "last_mean": float(last.mean()), "last_min": float(last.min()),
+            "best_mean": float(best.mean()), "best_min": float(best.min()), "clients": len(ms)}
+    return table
+
+
+def update_summary(run: Path, table: Mapping[str, Any], mode: str, lr: str, size: str) -> None:
+    path = run / "summary.json"
+    if not path.exists():
+        return
+    cell = table.get(mode, {}).get(size, {}).get(lr)
+    summary = json.loads(path.read_text())
+    summary["new_clients"] = table
+    if cell is not None:
+        summary.update({"new_client_accuracy_mean": cell["last_mean"], "new_client_accuracy_min": cell["last_min"],
+                        "new_client_accuracy_best_mean": cell["best_mean"],
+                        "new_client_accuracy_best_min": cell["best_min"],
+                        "new_client_protocol": {"mode": mode, "lr": float(lr), "size": size}})
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def _sizes(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        name, _, share = item.partition("=")
+        try:
+            out[name.strip()] = float(share)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"--sizes takes NAME=SHARE,... (e.g. S=0.25,M=0.5,L=1), got {text!r}") from err
+    return out
+
+
+def cmd_personalize(args: argparse.Namespace) -> int:
+    for run in args.runs:
+        out = personalize_run(run, lrs=args.lr, sizes=args.sizes, epochs=args.epochs)
+        print(f"{run}: new clients, test accuracy last / best-by-validation (mean over {len(out['clients'])} clients)")
+        for mode, by_size in out["summary"].items():
+            for size, by_lr in by_size.items():
+                cells = "  ".join(f"lr {lr}: {m['last_mean']:.4f} / {m['best_mean']:.4f}" for lr, m in by_lr.items())
+                print(f"  {mode:6s} {size:3s} {cells}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("personalize", help="personalise a finished run's new clients (FedBasis' protocol)")
+    p.add_argument("runs", nargs="+", help="run folders (with config.yaml and checkpoint/)")
+    p.add_argument("--lr", type=float, nargs="+", default=None, help="learning rates (default: personalize.lrs)")
+    p.add_argument("--sizes", type=_sizes, default=None, help="train-split shares, e.g. S=0.25,M=0.5,L=1")
+    p.add_argument("--epochs", type=int, default=None)
+    p.set_defaults(func=cmd_personalize)

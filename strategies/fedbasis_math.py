@@ -1,0 +1,108 @@
+"""FedBasis' server-side math (Chen et al., arXiv 2304.07882), numpy in, numpy out.
+
+* :func:`kmeans`: Lloyd's algorithm with k-means++ seeding, for the warm start (Sec. 4.4:
+  "cluster {theta_m} into K clusters and initialise the K bases with the centroids").
+* :func:`seed_bases`: the K non-major bases from the clients' models at the end of the
+  FedAvg warm-up: the K-means centroids, or K clients' models sampled without replacement.
+* :func:`mean_pairwise_cosine` and :func:`mean_entropy`: the collapse diagnostics (bases
+  becoming alike; coefficients becoming uniform, Sec. 4.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from learning.params import NDArrays
+
+
+def flatten(arrays: Mapping[str, np.ndarray], keys: Sequence[str]) -> np.ndarray:
+    """The named arrays as one float64 vector (in ``keys`` order)."""
+    return np.concatenate([np.asarray(arrays[k], np.float64).ravel() for k in keys]) if keys else np.zeros(0)
+
+
+def kmeans(points: np.ndarray, k: int, seed: int, iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """K-means of the rows of ``points`` (n x d): ``(centroids k x d, labels n)``.
+
+    k-means++ seeding from ``seed``, then Lloyd iterations to a fixed point (every point
+    nearest its own centroid, every centroid the mean of its points). A cluster that
+    empties is re-seeded with the point farthest from its centroid. Needs n >= k."""
+    n = len(points)
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means needs 1 <= k <= number of points, got k={k}, n={n}")
+    rng = np.random.default_rng(seed)
+    x = np.asarray(points, np.float64)
+    centroids = [x[rng.integers(n)]]
+    for _ in range(1, k):
+        d2 = np.min([np.sum((x - c) ** 2, axis=1) for c in centroids], axis=0)
+        total = float(d2.sum())
+        centroids.append(x[rng.choice(n, p=d2 / total)] if total > 0 else x[rng.integers(n)])
+    c = np.stack(centroids)
+    labels = np.full(n, -1)
+    for _ in range(iters):
+        dist = ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+        new = dist.argmin(1)
+        for j in range(k):
+            if not np.any(new == j):                       # empty cluster: farthest point
+                far = int(dist[np.arange(n), new].argmax())
+                new[far] = j
+        if np.array_equal(new, labels):
+            break
+        labels = new
+        c = np.stack([x[labels == j].mean(0) for j in range(k)])
+    return c, labels
+
+
+def seed_bases(models: Sequence[NDArrays], k: int, method: str, seed: int) -> tuple[list[NDArrays], list[int]]:
+    """K bases from the clients' models: ``(bases, assignment)``.
+
+    ``kmeans``: the centroids of the models' floating tensors (other tensors from the first
+    model), ``assignment[i]`` = model i's cluster. ``sample``: K models drawn without
+    replacement, ``assignment`` = their indices. With fewer models than K, models are
+    reused in turn (the bases then start equal and are told apart by training only)."""
+    if not models:
+        raise ValueError("no client models to seed the bases from")
+    keys = list(models[0])
+    floating = [key for key in keys if np.issubdtype(np.asarray(models[0][key]).dtype, np.floating)]
+    if method == "sample":
+        rng = np.random.default_rng(seed)
+        order = list(rng.permutation(len(models)))
+        picks = [int(order[i % len(order)]) for i in range(k)]
+        return [{key: np.array(models[i][key], copy=True) for key in keys} for i in picks], picks
+    if method != "kmeans":
+        raise ValueError(f"unknown basis seeding {method!r}; valid: kmeans, sample")
+    points = np.stack([flatten(m, floating) for m in models])
+    kk = min(k, len(models))
+    centroids, labels = kmeans(points, kk, seed)
+    bases = []
+    for j in range(k):
+        vec, offset, basis = centroids[j % kk], 0, {}
+        for key in keys:
+            ref = np.asarray(models[0][key])
+            if key in floating:
+                basis[key] = vec[offset:offset + ref.size].reshape(ref.shape).astype(ref.dtype)
+                offset += ref.size
+            else:
+                basis[key] = np.array(ref, copy=True)
+        bases.append(basis)
+    return bases, [int(v) for v in labels]
+
+
+def mean_pairwise_cosine(vectors: Sequence[np.ndarray]) -> float:
+    """Mean cosine similarity over all pairs i < j (1.0 = collapsed bases); nan for < 2."""
+    if len(vectors) < 2:
+        return float("nan")
+    unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+    sims = [float(unit[i] @ unit[j]) for i in range(len(unit)) for j in range(i + 1, len(unit))]
+    return float(np.mean(sims))
+
+
+def mean_entropy(probabilities: np.ndarray) -> float:
+    """Mean Shannon entropy (nats) of the coefficient vectors in the last axis (log K =
+    uniform coefficients, the collapse Sec. 4.2 warns of; 0 = one basis per unit)."""
+    p = np.clip(np.asarray(probabilities, np.float64), 1e-12, 1.0)
+    return float(np.mean(-(p * np.log(p)).sum(-1)))
+
+
+__all__ = ["kmeans", "seed_bases", "mean_pairwise_cosine", "mean_entropy", "flatten"]

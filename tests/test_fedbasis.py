@@ -1,0 +1,401 @@
+"""FedBasis: the combination (against an explicit weighted sum), coordinate descent (what
+each phase may change), sharpening, BN statistics, new-client personalisation, the
+server's warm start and per-basis averaging (against explicit loops), K-means, the
+collapse diagnostics, and one end-to-end run with `pflower personalize`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import pflower
+from torch import nn
+from torch.func import functional_call
+
+from client.fedbasis import COEFF_METRIC, FedBasisTrainer
+from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
+from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
+from learning.config import ConfigError, compose_config
+from learning.data import load_federated_data
+from learning.models import build_model
+from learning.params import get_arrays
+from learning.training import OptimConfig
+from server.app import build_strategy
+from strategies.base import ClientUpdate
+from strategies.fedbasis_math import kmeans, mean_entropy, mean_pairwise_cosine, seed_bases
+
+
+def _cfg(*overrides: str):
+    return compose_config({"strategy": "fedbasis"}, ["dataset.clients_per_domain=1",
+                                                     "strategy.coeff_epochs=1", "strategy.basis_epochs=1",
+                                                     *overrides])
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_federated_data(_cfg().dataset, 0)
+
+
+def _rnd(cfg, data, cid="0", server_round=1) -> ClientRound:
+    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=server_round)
+
+
+def _small_basis(k: int = 3, major: bool = True) -> BasisModel:
+    def make(i: int) -> nn.Module:
+        torch.manual_seed(100 + i)
+        return build_model({"name": "cnn", "width": 4, "hidden": 8}, (1, 8, 8), 5)
+    return BasisModel(make, k, major, "stage")
+
+
+def _payload(model: BasisModel) -> dict[str, np.ndarray]:
+    return {k: v for k, v in get_arrays(model).items() if k != COEFF_KEY}
+
+
+# ---------------------------------------------------------------- the combination
+@pytest.mark.parametrize("major", [True, False])
+def test_combined_weights_equal_the_explicit_weighted_sum(major: bool) -> None:
+    model = _small_basis(3, major)
+    with torch.no_grad():
+        model.coeff_logits.copy_(torch.randn(model.coeff_logits.shape))
+    combined = {k: v.detach() for k, v in model.combined().items()}
+    alpha = torch.softmax(model.coeff_logits.detach(), -1)
+    units = model.unit_names
+    state = model.state_dict()
+    for key, value in model.template.state_dict().items():
+        unit = next(i for i, u in enumerate(units) if key in _unit_keys(model, u))
+        if not torch.is_floating_point(value):
+            continue
+        expected = torch.zeros_like(value, dtype=torch.float64)
+        for k in range(3):
+            expected += float(alpha[unit, k]) * state[f"bases.{k}.{key}"].double()
+        if major:
+            expected = 0.5 * state[f"major.{key}"].double() + 0.5 * expected
+        torch.testing.assert_close(combined[key].double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def _unit_keys(model: BasisModel, unit: str) -> set[str]:
+    i = model.unit_names.index(unit)
+    return {k for k, j in model.unit_index.items() if j == i}
+
+
+def test_forward_runs_one_network_on_the_combined_weights() -> None:
+    model = _small_basis().eval()
+    x = torch.randn(6, 1, 8, 8)
+    combined = {k: v.detach() for k, v in model.combined().items()}
+    plain = build_model({"name": "cnn", "width": 4, "hidden": 8}, (1, 8, 8), 5).eval()
+    plain.load_state_dict(combined)
+    torch.testing.assert_close(model(x), plain(x))
+    torch.testing.assert_close(model(x), functional_call(model.template, combined, (x,)))
+
+
+def test_one_coefficient_vector_of_length_k_per_unit() -> None:
+    model = _small_basis(4)
+    assert model.unit_names == ["s1", "s2", "s3", "fc"]
+    assert tuple(model.coeff_logits.shape) == (4, 4)
+    assert set(model.unit_index) == set(model.template.state_dict())
+
+
+def test_sharpening_divides_the_logits_by_tau() -> None:
+    model = _small_basis()
+    psi = torch.randn(model.coeff_logits.shape)
+    with torch.no_grad():
+        model.coeff_logits.copy_(psi)
+    model.sharpen(0.1)
+    expected = torch.exp(psi / 0.1) / torch.exp(psi / 0.1).sum(-1, keepdim=True)
+    torch.testing.assert_close(model.coefficients().detach(), expected)
+
+
+def test_bn_statistics_move_by_the_same_change_in_every_basis() -> None:
+    model = _small_basis().train()
+    key = "features.1.running_mean"
+    before = {name: model.state_dict()[name + key].clone()
+              for name in [MAJOR_PREFIX, *(basis_prefix(k) for k in range(3))]}
+    combined_before = model.combined()[key].detach().clone()
+    x = torch.randn(16, 1, 8, 8)
+    model(x)
+    # what BN itself does to the combined statistics: (1 - m) r + m * batch mean
+    w = model.combined()
+    h = torch.nn.functional.conv2d(x, w["features.0.weight"].detach(), w["features.0.bias"].detach(), padding=1)
+    expected_combined = 0.9 * combined_before + 0.1 * h.mean((0, 2, 3))
+    torch.testing.assert_close(model.combined()[key].detach(), expected_combined, rtol=1e-5, atol=1e-6)
+    delta = expected_combined - combined_before
+    for name, old in before.items():
+        torch.testing.assert_close(model.state_dict()[name + key], old + delta, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- coordinate descent
+def _round(data, *overrides: str) -> tuple[FedBasisTrainer, LocalRound, dict[str, np.ndarray]]:
+    cfg = _cfg(*overrides)
+    trainer = FedBasisTrainer(cfg)
+    rnd = _rnd(cfg, data)
+    payload = _payload(trainer.new_model(rnd))
+    work = LocalRound(rnd, payload, {}, {})
+    work.model = trainer.start_model(work)
+    work.roles = trainer.roles(work.model)
+    return trainer, work, payload
+
+
+def test_logits_phase_leaves_the_bases_exactly_as_received(data) -> None:
+    trainer, work, payload = _round(data, "strategy.basis_epochs=0")
+    trainer.train(work)
+    after = get_arrays(work.model)
+    for k, v in payload.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=k)      # parameters and BN statistics
+    assert np.abs(after[COEFF_KEY]).max() > 0                       # the logits learned
+
+
+def test_bases_phase_leaves_the_logits_as_sharpened(data) -> None:
+    trainer, work, payload = _round(data, "strategy.coeff_epochs=2", "strategy.sharpen_tau=0.25")
+    metrics = trainer.train(work)
+    model = work.model
+    alpha_learned = np.array([[metrics[f"{COEFF_METRIC}{u}/{k}"] for k in range(model.num_bases)]
+                              for u in model.unit_names])
+    # the logits after the round are exactly the learned ones / tau: softmax(tau * psi) = alpha*
+    psi = model.coeff_logits.detach().double()
+    np.testing.assert_allclose(torch.softmax(psi * 0.25, -1).numpy(), alpha_learned, rtol=1e-5, atol=1e-7)
+    changed = [k for k, v in payload.items() if not np.array_equal(get_arrays(model)[k], v)]
+    assert any(k.startswith(MAJOR_PREFIX) for k in changed)
+    assert all(any(k.startswith(basis_prefix(j)) for k in changed) for j in range(model.num_bases))
+
+
+def test_a_round_uploads_the_bases_and_keeps_k_numbers_per_unit(data) -> None:
+    trainer, work, payload = _round(data)
+    work.metrics = trainer.train(work)
+    upload, _ = trainer.upload(work)
+    assert set(upload) == set(payload)                              # K + 1 models, no logits
+    state = trainer.private_state(work)
+    assert list(state) == [MODEL_PREFIX + COEFF_KEY]
+    assert state[MODEL_PREFIX + COEFF_KEY].shape == (4, 4)          # 4 units x K = 4 bases
+
+
+def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:
+    cfg = _cfg()
+    trainer = FedBasisTrainer(cfg)
+    rnd = _rnd(cfg, data, server_round=3)
+    payload = _payload(trainer.new_model(rnd))
+    state = {MODEL_PREFIX + COEFF_KEY: np.full((4, 4), 7.0, np.float32)}
+    model = trainer.start_model(LocalRound(rnd, payload, state, {}))
+    assert float(model.coeff_logits.abs().max()) == 0.0
+    # ... while the personalised model is evaluated with the kept (sharpened) logits
+    np.testing.assert_array_equal(get_arrays(trainer.personal_model(rnd, payload, state))[COEFF_KEY], 7.0)
+
+
+def test_warm_up_round_trains_one_plain_model(data) -> None:
+    cfg = _cfg()
+    trainer = FedBasisTrainer(cfg)
+    rnd = _rnd(cfg, data)
+    plain = trainer.new_model(rnd).template
+    payload = {MAJOR_PREFIX + k: v for k, v in get_arrays(plain).items()}
+    result = trainer.fit(rnd, payload, {})
+    assert set(result.upload) == set(payload)
+    assert result.state == {}
+    assert not any(k.startswith(COEFF_METRIC) for k in result.metrics)
+
+
+# ---------------------------------------------------------------- new clients
+@pytest.mark.parametrize("head", [True, False])
+def test_new_client_personalisation_changes_only_its_logits_and_classifier(data, head: bool) -> None:
+    cfg = _cfg(f"strategy.personalize_head={str(head).lower()}")
+    trainer = FedBasisTrainer(cfg)
+    rnd = _rnd(cfg, data, cid="new-0")
+    payload = _payload(trainer.new_model(rnd))
+    model, trainable = trainer.new_client_model(rnd, payload, "basis")
+    opt = OptimConfig(lr=0.05, batch_size=16, momentum=0.9)
+    head_before = {k: v.detach().clone() for k, v in model.combined().items() if k.startswith("head.")}
+    curve = personalize_curve(model, rnd, trainable, opt, epochs=2)
+    assert [c["epoch"] for c in curve] == [0.0, 1.0, 2.0]
+    after = get_arrays(model)
+    weights = {n for n, _ in model.named_parameters()}
+    for k, v in payload.items():                                    # every basis weight as received
+        if k in weights:
+            np.testing.assert_array_equal(after[k], v, err_msg=k)
+    assert np.abs(after[COEFF_KEY]).max() > 0
+    learned = {n for n, _ in model.named_parameters() if trainable(n)}
+    if head:
+        assert learned == {COEFF_KEY, "head_override.head__weight", "head_override.head__bias"}
+        assert not torch.equal(model.head_override["head__weight"], head_before["head.weight"])
+    else:
+        assert learned == {COEFF_KEY} and model.head_override is None
+
+
+# ---------------------------------------------------------------- server
+def _update(cid: str, arrays: dict[str, np.ndarray], n: int, metrics: dict[str, float] | None = None) -> ClientUpdate:
+    return ClientUpdate(client_id=cid, node_id=int(cid) + 1, arrays=arrays, num_examples=n, metrics=metrics or {})
+
+
+def _strategy(data, *overrides: str):
+    cfg = _cfg(*overrides)
+    return build_strategy(cfg, data)
+
+
+def test_warm_up_sends_one_model_then_seeds_the_bases_from_the_clients(data) -> None:
+    strategy = _strategy(data, "rounds=10", "strategy.warm_fraction=0.2", "strategy.num_bases=2",
+                         "strategy.seed_bases=kmeans")
+    assert strategy.warm_rounds == 2 and not strategy.seeded
+    sent = strategy.payload_for("0")
+    assert sent and all(k.startswith(MAJOR_PREFIX) for k in sent)
+    rng = np.random.default_rng(0)
+    # four client models in two well separated groups
+    models = []
+    for i in range(4):
+        shift = 10.0 if i < 2 else -10.0
+        models.append({k: (v + shift + rng.normal(0, 0.01, v.shape)).astype(v.dtype)
+                       if np.issubdtype(v.dtype, np.floating) else v for k, v in sent.items()})
+    updates = [_update(str(i), m, n) for i, (m, n) in enumerate(zip(models, [10, 30, 20, 40], strict=True))]
+    strategy.aggregate_updates(1, updates)
+    assert not strategy.seeded                                   # still warm after round 1
+    strategy.aggregate_updates(2, updates)
+    assert strategy.seeded and strategy.switch["round"] == 2
+    key = "features.0.weight"
+    fedavg = sum(n * m[MAJOR_PREFIX + key].astype(np.float64) for m, n in zip(models, [10, 30, 20, 40], strict=True)) / 100
+    np.testing.assert_allclose(strategy.global_arrays[MAJOR_PREFIX + key], fedavg, rtol=1e-5)
+    groups = [strategy.switch["assignment"][c] for c in "0123"]
+    assert groups[0] == groups[1] != groups[2] == groups[3]
+    for j in range(2):
+        members = [m for m, g in zip(models, groups, strict=True) if g == j]
+        centroid = np.mean([m[MAJOR_PREFIX + key] for m in members], axis=0)
+        np.testing.assert_allclose(strategy.global_arrays[basis_prefix(j) + key], centroid, rtol=1e-5)
+    assert set(strategy.payload_for("0")) == {k for k in strategy.global_arrays}
+    assert COEFF_KEY not in strategy.payload_for("0")
+
+
+def test_each_basis_is_averaged_over_the_clients(data) -> None:
+    strategy = _strategy(data, "strategy.num_bases=2", "strategy.warm_fraction=0")
+    sent = strategy.payload_for("0")
+    rng = np.random.default_rng(1)
+    uploads = [{k: (rng.normal(size=v.shape)).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                for k, v in sent.items()} for _ in range(3)]
+    sizes = [5, 10, 25]
+    coeff = {f"{COEFF_METRIC}{u}/{k}": 0.5 for u in ("s1", "s2", "s3", "fc") for k in range(2)}
+    strategy.aggregate_updates(1, [_update(str(i), u, n, coeff) for i, (u, n) in enumerate(zip(uploads, sizes, strict=True))])
+    for key in sent:
+        if not np.issubdtype(sent[key].dtype, np.floating):
+            continue
+        expected = np.zeros(sent[key].shape)
+        for u, n in zip(uploads, sizes, strict=True):
+            expected += n / sum(sizes) * u[key].astype(np.float64)
+        np.testing.assert_allclose(strategy.global_arrays[key], expected, rtol=1e-5, atol=1e-6, err_msg=key)
+    diag = strategy.diagnostics[1]
+    assert math.isclose(diag["coeff_entropy"], math.log(2), rel_tol=1e-9)
+    assert strategy.coefficients[1]["2"] == {u: [0.5, 0.5] for u in ("s1", "s2", "s3", "fc")}
+
+
+def test_warm_up_upload_of_other_tensors_is_rejected(data) -> None:
+    strategy = _strategy(data, "rounds=10", "strategy.warm_fraction=0.5")
+    assert "warm-up upload" in strategy.check_upload({"bases.0.head.bias": np.zeros(10, np.float32)})
+    assert strategy.check_upload(strategy.payload_for("0")) is None
+
+
+# ---------------------------------------------------------------- math
+def test_kmeans_reaches_a_fixed_point_and_finds_separated_clusters() -> None:
+    rng = np.random.default_rng(3)
+    truth = np.repeat([0, 1, 2], 10)
+    points = np.stack([rng.normal(c * 20, 1.0, 5) for c in truth])
+    centroids, labels = kmeans(points, 3, seed=0)
+    for j in range(3):                                             # centroid = mean of its points
+        np.testing.assert_allclose(centroids[j], points[labels == j].mean(0))
+    dist = ((points[:, None] - centroids[None]) ** 2).sum(-1)      # each point nearest its centroid
+    np.testing.assert_array_equal(dist.argmin(1), labels)
+    for c in range(3):                                             # the true partition
+        assert len(set(labels[truth == c])) == 1
+    assert len(set(labels)) == 3
+
+
+def test_seed_bases_by_sampling_takes_distinct_clients() -> None:
+    models = [{"w": np.full(3, float(i), np.float32)} for i in range(5)]
+    bases, picks = seed_bases(models, 3, "sample", seed=0)
+    assert len(set(picks)) == 3
+    for b, p in zip(bases, picks, strict=True):
+        np.testing.assert_array_equal(b["w"], models[p]["w"])
+
+
+def test_diagnostics_against_explicit_formulas() -> None:
+    a, b, c = np.array([1.0, 0.0]), np.array([1.0, 1.0]), np.array([0.0, 2.0])
+    cos = lambda x, y: x @ y / np.linalg.norm(x) / np.linalg.norm(y)  # noqa: E731
+    assert math.isclose(mean_pairwise_cosine([a, b, c]), (cos(a, b) + cos(a, c) + cos(b, c)) / 3)
+    p = np.array([[0.5, 0.5], [1.0, 0.0]])
+    assert math.isclose(mean_entropy(p), (math.log(2) + 0.0) / 2, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("strategy.num_bases=0", "strategy.num_bases must be >= 1"),
+    ("strategy.sharpen_tau=0", "strategy.sharpen_tau must be in"),
+    ("strategy.seed_bases=random", "strategy.seed_bases must be one of kmeans, sample"),
+    ("strategy.warm_fraction=1", "strategy.warm_fraction must be in"),
+])
+def test_bad_options_are_named_before_training(override: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        _cfg(override)
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.e2e
+def test_pflower_run_fedbasis_and_personalize_end_to_end(tmp_path) -> None:
+    proc = pflower("run", "strategy=fedbasis", "rounds=4", "strategy.warm_fraction=0.5",
+                   "strategy.coeff_epochs=1", "strategy.basis_epochs=1", "dataset.clients_per_domain=1",
+                   "run_name=fb", f"results_root={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "fb"
+    rounds = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["fedbasis"]["phase"] for r in rounds] == ["warm-up", "bases", "bases", "bases"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["fedbasis_switch"]["round"] == 2
+    assert sorted(summary["fedbasis_coefficients"]) == ["0", "1", "2", "3"]
+    assert (run / "coefficients.png").stat().st_size > 0 and (run / "basis_diagnostics.png").stat().st_size > 0
+    for r in rounds:                                         # K + 1 = 5 models down after the warm-up
+        down = r["bytes_down"]["0"] if "bytes_down" in r else None
+        if down is not None and r["fedbasis"]["phase"] == "bases":
+            assert down > 4 * rounds[0]["bytes_down"]["0"]
+    proc = pflower("personalize", str(run), "--epochs", "2", "--lr", "0.01")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run / "new_clients.json").read_text())
+    assert sorted(result["clients"]) == ["new-0", "new-1", "new-2", "new-3"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["new_client_accuracy_mean"] <= 1.0
+    assert 0.0 <= summary["new_client_accuracy_best_mean"] <= 1.0
+
+
+# ---------------------------------------------------------------- PFLBED split
+def test_pflbed_split_shares_a_class_balanced_test_set_per_domain() -> None:
+    cfg = _cfg("dataset.split=pflbed", "dataset.clients_per_domain=3", "dataset.new_clients_per_domain=1",
+               "dataset.val_fraction=0.05", "dataset.test_fraction=0.15")
+    data = load_federated_data(cfg.dataset, 0)
+    assert len(data.clients) == 12 and len(data.new_clients) == 4
+    everyone = {**data.clients, **data.new_clients}
+    for domain in cfg.dataset.domains:
+        members = [c for c in everyone.values() if c.domain == domain]
+        test = members[0].test_ids
+        for c in members:                                        # one shared val and test set
+            np.testing.assert_array_equal(c.test_ids, test)
+            np.testing.assert_array_equal(c.val_ids, members[0].val_ids)
+            assert not set(c.train_ids) & (set(test) | set(c.val_ids))
+        labels = np.array([int(members[0].test[i][1]) for i in range(len(members[0].test))])
+        counts = np.bincount(labels, minlength=10)
+        assert counts.max() - counts.min() <= 1 or counts.min() == counts.max()
+        trains = [set(c.train_ids) for c in members]              # train splits disjoint
+        assert sum(len(t) for t in trains) == len(set().union(*trains))
+    c = data.clients["0"]
+    hist = np.bincount([int(c.train[i][1]) for i in range(len(c.train))], minlength=10)
+    np.testing.assert_allclose(c.class_weights, hist / hist.sum())
+
+
+def test_weighted_accuracy_weighs_each_test_sample_by_the_train_label_share() -> None:
+    from torch.utils.data import TensorDataset
+
+    from learning.training import evaluate
+
+    class Fixed(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x                                             # the input is the logits
+    y = torch.tensor([0, 0, 1, 1, 2, 2])
+    predicted = torch.tensor([0, 1, 1, 1, 0, 0])                # correct: 1 of class 0, 2 of class 1, 0 of class 2
+    logits = nn.functional.one_hot(predicted, 3).float()
+    weights = np.array([0.5, 0.3, 0.2])
+    got = evaluate(Fixed(), TensorDataset(logits, y), torch.device("cpu"), class_weights=weights)["accuracy"]
+    expected = (0.5 * 1 + 0.3 * 2 + 0.2 * 0) / (0.5 * 2 + 0.3 * 2 + 0.2 * 2)
+    assert math.isclose(got, expected, rel_tol=1e-12)
+    assert evaluate(Fixed(), TensorDataset(logits, y), torch.device("cpu"))["accuracy"] == 3 / 6
