@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from learning.config import compose_config
 from learning.data import ClientSplit, load_federated_data
 from learning.models import resolve_device
 from learning.training import OptimConfig
-from server.checkpoint import load_checkpoint
+from server.checkpoint import CheckpointError, load_checkpoint
 
 
 def subset_train(split: ClientSplit, share: float, seed: int) -> ClientSplit:
@@ -141,12 +142,18 @@ def _sizes(text: str) -> dict[str, float]:
             out[name.strip()] = float(share)
         except ValueError as err:
             raise argparse.ArgumentTypeError(f"--sizes takes NAME=SHARE,... (e.g. S=0.25,M=0.5,L=1), got {text!r}") from err
+        if not 0 < out[name.strip()] <= 1:
+            raise argparse.ArgumentTypeError(f"--sizes: a share is a fraction of the train split in (0, 1], got {item!r}")
     return out
 
 
 def cmd_personalize(args: argparse.Namespace) -> int:
     for run in args.runs:
-        out = personalize_run(run, lrs=args.lr, sizes=args.sizes, epochs=args.epochs)
+        try:
+            out = personalize_run(run, lrs=args.lr, sizes=args.sizes, epochs=args.epochs)
+        except (FileNotFoundError, ValueError, KeyError, CheckpointError) as err:
+            print(f"pflower personalize: {run}: {err}", file=sys.stderr)
+            return 2
         print(f"{run}: new clients, test accuracy last / best-by-validation (mean over {len(out['clients'])} clients)")
         for mode, by_size in out["summary"].items():
             for size, by_lr in by_size.items():

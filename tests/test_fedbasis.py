@@ -346,10 +346,11 @@ def test_pflower_run_fedbasis_and_personalize_end_to_end(tmp_path) -> None:
     assert summary["fedbasis_switch"]["round"] == 2
     assert sorted(summary["fedbasis_coefficients"]) == ["0", "1", "2", "3"]
     assert (run / "coefficients.png").stat().st_size > 0 and (run / "basis_diagnostics.png").stat().st_size > 0
-    for r in rounds:                                         # K + 1 = 5 models down after the warm-up
-        down = r["bytes_down"]["0"] if "bytes_down" in r else None
-        if down is not None and r["fedbasis"]["phase"] == "bases":
-            assert down > 4 * rounds[0]["bytes_down"]["0"]
+    comm = [r["communication"] for r in rounds]                # one model down and up in the warm-up,
+    one_model = comm[0]["bytes_down"]["0"]                      # K + 1 = 5 after it (no logits)
+    assert comm[0]["bytes_up"]["0"] == one_model
+    for c in comm[1:]:
+        assert c["bytes_down"]["0"] == c["bytes_up"]["0"] == 5 * one_model
     proc = pflower("personalize", str(run), "--epochs", "2", "--lr", "0.01")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((run / "new_clients.json").read_text())
@@ -399,3 +400,13 @@ def test_weighted_accuracy_weighs_each_test_sample_by_the_train_label_share() ->
     expected = (0.5 * 1 + 0.3 * 2 + 0.2 * 0) / (0.5 * 2 + 0.3 * 2 + 0.2 * 2)
     assert math.isclose(got, expected, rel_tol=1e-12)
     assert evaluate(Fixed(), TensorDataset(logits, y), torch.device("cpu"))["accuracy"] == 3 / 6
+
+
+def test_personalize_names_a_missing_run_or_checkpoint(tmp_path, capsys) -> None:
+    from ops.cli import main
+
+    assert main(["personalize", str(tmp_path / "nothing")]) == 2
+    assert "has no config.yaml" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("strategy: {name: fedbasis}\n")
+    assert main(["personalize", str(tmp_path)]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
