@@ -29,12 +29,11 @@ from torch import nn
 
 from client.trainer import ClientRound, ClientTrainer, LocalRound
 from common.options import FedBasisOptions
+from common.protocol import COEFF_METRIC
 from common.roles import SHARED
 from learning.basis import COEFF_KEY, HEAD_OVERRIDE, MAJOR_PREFIX, BasisModel, basis_prefix
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import train_epochs
-
-COEFF_METRIC = "coeff/"
 
 
 class FedBasisTrainer(ClientTrainer):

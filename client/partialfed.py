@@ -42,6 +42,7 @@ from client.trainer import (
     unprefixed,
 )
 from common.options import PartialFedAdaptiveOptions, PartialFedFixOptions
+from common.protocol import P_GLOBAL_METRIC
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import OptimConfig, make_loader, make_optimizer, train_epochs
@@ -56,7 +57,7 @@ from strategies.partialfed_math import (
 )
 
 LOGITS_STATE = "partialfed/logits"
-P_GLOBAL = "p_global/"          # metric prefix: probability of loading global, per unit
+P_GLOBAL = P_GLOBAL_METRIC       # metric prefix: probability of loading global, per unit
 
 
 class PartialFedFixTrainer(ClientTrainer):

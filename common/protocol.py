@@ -86,3 +86,7 @@ def make_reply(msg: Message, arrays: Mapping[str, np.ndarray], metrics: Mapping[
 
 def config_dict(record: ConfigRecord | None) -> dict[str, object]:
     return dict(record.items()) if record is not None else {}
+
+# method metrics the server reads from train replies (per unit)
+P_GLOBAL_METRIC = "p_global/"   # PartialFed-Adaptive: P(load global), as p_global/<unit>
+COEFF_METRIC = "coeff/"         # FedBasis: learned coefficients, as coeff/<unit>/<k>

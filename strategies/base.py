@@ -179,6 +179,12 @@ class PersonalizedStrategy(Strategy):
         # seconds to wait for identification (QUERY) replies; bounded like a round
         self.query_timeout = float(cfg.get("round_timeout", 600.0)) if cfg is not None else 600.0
 
+    def client_labels(self, prefix: str = "client ") -> dict[str, str]:
+        """``<prefix><id> (<domain>)`` per participating client, for plot legends."""
+        clients = getattr(self.data, "clients", None) or {}
+        return {c: f"{prefix}{c} ({d.domain})" if getattr(d, "domain", "") else f"{prefix}{c}"
+                for c, d in clients.items()}
+
     def run_dir(self) -> Path | None:
         """This run's results folder (for method files such as plots), when configured."""
         if self.cfg is None:

@@ -29,12 +29,11 @@ import numpy as np
 from flwr.common.logger import log
 
 from common.options import FedBasisOptions
+from common.protocol import COEFF_METRIC
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
 from learning.params import NDArrays
 from strategies.base import ClientUpdate, PersonalizedStrategy
 from strategies.fedbasis_math import flatten, mean_entropy, mean_pairwise_cosine, seed_bases
-
-COEFF_METRIC = "coeff/"
 
 
 class FedBasis(PersonalizedStrategy):
@@ -137,17 +136,13 @@ class FedBasis(PersonalizedStrategy):
                                      float(np.log(self.opts.num_bases)))
                 if self.coefficients:
                     plot_coefficients(run_dir / "coefficients.png", self.latest_coefficients(),
-                                      self.client_labels(), self.opts.major)
+                                      self.client_labels(prefix=""), self.opts.major)
             except Exception as err:  # a plot must never stop the run
                 log(WARNING, "fedbasis: could not plot: %s", err)
         last = self.diagnostics[max(self.diagnostics)] if self.diagnostics else {}
         return {"fedbasis_coefficients": self.latest_coefficients(), "fedbasis_warm_rounds": self.warm_rounds,
                 "fedbasis_switch": self.switch, "fedbasis_basis_cosine": last.get("basis_cosine"),
                 "fedbasis_coeff_entropy": last.get("coeff_entropy")}
-
-    def client_labels(self) -> dict[str, str]:
-        clients = getattr(self.data, "clients", None) or {}
-        return {c: f"{c} ({d.domain})" if getattr(d, "domain", "") else c for c, d in clients.items()}
 
     def state_meta(self) -> dict[str, Any]:
         return {**super().state_meta(), "seeded": self.seeded, "switch": self.switch,

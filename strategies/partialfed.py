@@ -18,9 +18,8 @@ from typing import Any, ClassVar
 
 from flwr.common.logger import log
 
+from common.protocol import P_GLOBAL_METRIC as P_GLOBAL
 from strategies.base import ClientUpdate, PersonalizedStrategy
-
-P_GLOBAL = "p_global/"
 
 
 class PartialFedFix(PersonalizedStrategy):
@@ -51,12 +50,6 @@ class PartialFedAdaptive(PersonalizedStrategy):
         for rnd in sorted(self.gate_history):
             out.update(self.gate_history[rnd])
         return out
-
-    def client_labels(self) -> dict[str, str]:
-        """``client <id> (<domain>)`` for the plot legend, when the data is known."""
-        clients = getattr(self.data, "clients", None) or {}
-        return {c: f"client {c} ({d.domain})" if getattr(d, "domain", "") else f"client {c}"
-                for c, d in clients.items()}
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         return {"partialfed": {"p_global": self.gate_history.get(server_round, {})}}
