@@ -21,6 +21,7 @@ from common.methods import trainer_class
 from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
+    NUM_PARTITIONS,
     config_dict,
     from_record,
     make_reply,
@@ -63,11 +64,14 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
 
 
 def check_partitions(context: Context, data: FederatedData) -> None:
-    expected = context.node_config.get("num-partitions")
-    if expected is not None and int(expected) != len(data.clients):
+    """A federation with fewer nodes than clients cannot run every client (more nodes is
+    fine: the server leaves the extra ones idle)."""
+    size = context.node_config.get("num-partitions")
+    if size is not None and int(size) < len(data.clients):
+        missing = [c for c in data.client_ids if not (c.isdigit() and int(c) < int(size))]
         raise ValueError(
-            f"node config says num-partitions={expected} but dataset {data.name!r} has "
-            f"{len(data.clients)} clients; make them agree: in simulation pass "
+            f"node config says num-partitions={size} but dataset {data.name!r} has "
+            f"{len(data.clients)} clients ({', '.join(missing)} have no node); in simulation pass "
             f"--federation-config \"num-supernodes={len(data.clients)}\" to flwr run (or use "
             "`pflower run`, which sets it), or change dataset.clients_per_domain"
         )
@@ -154,4 +158,6 @@ def evaluate(msg: Message, context: Context) -> Message:
 def query(msg: Message, context: Context) -> Message:
     """Identify this node: the server asks before sampling, so that it can address every
     client by its stable id (and send it its personal arrays) from the first message on."""
-    return make_reply(msg, {}, {}, client_id_of(context), 0)
+    size = context.node_config.get("num-partitions")
+    return make_reply(msg, {}, {} if size is None else {NUM_PARTITIONS: float(int(size))},
+                      client_id_of(context), 0)

@@ -62,6 +62,11 @@ def encode_client_id(client_id: str) -> dict[str, int]:
     )
 
 
+# identification (QUERY) replies carry the size of a simulated federation, so the server can
+# name the clients that have no SuperNode before any training
+NUM_PARTITIONS = "num-partitions"
+
+
 def decode_client_id(metrics: Mapping[str, object]) -> str:
     if CLIENT_INDEX not in metrics:
         raise KeyError(f"reply metrics carry no {CLIENT_INDEX!r}; is the client a pflower ClientApp?")

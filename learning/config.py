@@ -99,10 +99,50 @@ def _compose_cached(overrides_json: str) -> DictConfig:
         run_dir = Path(str(cfg.resume)).resolve()
         cfg.resume = str(run_dir)
         cfg.run_name, cfg.results_root = run_dir.name, str(run_dir.parent)
+    discover_imagefolder(cfg)
     if not cfg.run_name:
-        cfg.run_name = f"{cfg.strategy.name}-{cfg.dataset.name}-{cfg.model.name}-s{cfg.seed}"
+        cfg.run_name = default_run_name(cfg, overrides)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+# overrides that never change what a run computes (or are already in the name)
+_NAME_NEUTRAL = ("strategy", "dataset", "model", "experiment", "seed", "run_name", "results_root",
+                 "resume", "overwrite", "state_root")
+
+
+def default_run_name(cfg: DictConfig, overrides: list[str]) -> str:
+    """``[<experiment>-]<strategy>-<dataset>-<model>-s<seed>[-<hash>]``.
+
+    Two runs that differ in any other override (``rounds=5``, ``train.lr=0.01``) get
+    different folders: an 8-character hash of those overrides is appended, so a run never
+    lands in (and is never refused by) the folder of a different configuration."""
+    import hashlib
+
+    name = f"{cfg.strategy.name}-{cfg.dataset.name}-{cfg.model.name}-s{cfg.seed}"
+    experiment = [o.partition("=")[2] for o in overrides if o.lstrip("+~").startswith("experiment=")]
+    if experiment and experiment[-1]:
+        name = f"{experiment[-1]}-{name}"
+    extra = sorted(o for o in overrides
+                   if o.lstrip("+~").partition("=")[0].split(".")[0] not in _NAME_NEUTRAL
+                   and not o.lstrip("+~").startswith("dataset.root="))
+    if extra:
+        name += "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
+    return name
+
+
+def discover_imagefolder(cfg: DictConfig) -> None:
+    """An image-folder dataset with no ``domains`` listed takes the sub-folders of ``root``
+    (sorted), and the generic ``imagefolder`` preset takes the root folder's name as the
+    dataset name (so run folders and tables say ``my-digits``, not ``imagefolder``)."""
+    ds = cfg.dataset
+    if ds.get("source") != "imagefolder" or OmegaConf.is_missing(ds, "root") or not ds.root:
+        return
+    root = Path(str(ds.root))
+    if not ds.domains and root.is_dir():
+        ds.domains = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if str(ds.name) == "imagefolder":
+        ds.name = root.resolve().name or "imagefolder"
 
 
 def _hydra_compose(overrides: list[str]) -> DictConfig:
@@ -125,8 +165,9 @@ def validate_config(cfg: DictConfig) -> None:
     problems: list[str] = []
     if OmegaConf.is_missing(cfg.dataset, "root"):
         problems.append(
-            f"dataset {cfg.dataset.name!r} needs a data folder: add overrides=\"dataset.root=/path\" "
-            "(see conf/dataset/ for the expected layout)"
+            f"dataset {cfg.dataset.name!r} needs a data folder: `pflower run dataset={cfg.dataset.name} "
+            "dataset.root=/path` (with flwr run: --run-config \"overrides='dataset.root=/path'\"); "
+            f"the expected layout is in conf/dataset/{cfg.dataset.name}.yaml"
         )
 
     def num(key: str, cast: type = int) -> Any:

@@ -169,7 +169,7 @@ def _load_torchvision(source: str, root: str) -> tuple[torch.Tensor, np.ndarray]
     for train in (True, False):
         try:
             ds = cls(root=root, train=train, download=False)
-        except RuntimeError as err:
+        except Exception as err:  # missing files (RuntimeError) or garbage (pickle, EOF, ...)
             raise DatasetError(
                 f"could not read {source} from {root!r}: {err}. Expected layout: {layout}"
             ) from err
@@ -212,33 +212,76 @@ class _ImageFolderDomain(Dataset):
         return self.transform(img), int(self.targets[i])
 
 
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGE_LAYOUT = "<root>/<domain>/<class>/<image files>"
+
+
+def image_tree_problems(root: str, domains: list[str], verify_images: bool = False) -> list[str]:
+    """Every layout problem of an image-folder tree, each naming the folder and the fix.
+
+    Structural checks (missing root or domain, a domain with no class folders, an empty
+    class folder, a folder nested inside a class folder, whose images torchvision would
+    silently count under the parent class) are cheap and run wherever data is loaded;
+    ``verify_images`` also opens every image's header (``pflower run`` does this once,
+    before any Flower process starts)."""
+    base = Path(root)
+    if not root or not base.is_dir():
+        return [f"dataset.root {root!r} does not exist; point dataset.root at a folder laid out "
+                f"as {IMAGE_LAYOUT}"]
+    present = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not domains:
+        return [f"{base} has no domain folders; expected {IMAGE_LAYOUT}"]
+    missing = [d for d in domains if not (base / d).is_dir()]
+    if missing:
+        return [f"domain folders {missing} are missing under {base} (found {present}); fix "
+                "dataset.domains or leave it empty to use every sub-folder"]
+    problems: list[str] = []
+    for d in domains:
+        class_dirs = sorted(c for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith("."))
+        if not class_dirs:
+            problems.append(f"domain folder {base / d} has no class folders; expected {IMAGE_LAYOUT}")
+            continue
+        for c in class_dirs:
+            entries = [e for e in c.iterdir() if not e.name.startswith(".")]
+            nested = [e for e in entries if e.is_dir()]
+            if nested:
+                problems.append(f"{nested[0]} is a folder inside the class folder {c}; images must "
+                                "sit directly in their class folder: move them up or remove the folder")
+            images = [e for e in entries if e.is_file() and e.suffix.lower() in IMAGE_EXTENSIONS]
+            if not images:
+                problems.append(f"class folder {c} has no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                                "add images or remove the folder")
+            elif verify_images:
+                problems.extend(_unreadable(images))
+    return problems
+
+
+def _unreadable(paths: list[Path]) -> list[str]:
+    from PIL import Image, UnidentifiedImageError
+
+    bad = []
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                img.verify()
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
+            bad.append(f"{path} is not a readable image ({type(err).__name__}: {err}); "
+                       "replace or remove the file")
+    return bad
+
+
 def _imagefolder_domains(
     root: str, domains: list[str], image_size: int
 ) -> tuple[list[_ImageFolderDomain], list[str]]:
-    layout = "<root>/<domain>/<class>/<image files>"
-    if not root:
-        raise DatasetError(f"an imagefolder dataset needs dataset.root laid out as {layout}")
+    if not domains and root and Path(root).is_dir():
+        domains = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    problems = image_tree_problems(root, domains)
+    if problems:
+        raise DatasetError("the image-folder tree has problems:\n  - " + "\n  - ".join(problems))
     base = Path(root)
-    if not base.is_dir():
-        raise DatasetError(f"dataset.root {root!r} does not exist; expected layout {layout}")
-    missing = [d for d in domains if not (base / d).is_dir()]
-    if missing:
-        present = sorted(p.name for p in base.iterdir() if p.is_dir())
-        raise DatasetError(
-            f"domain folders {missing} are missing under {root!r} (found {present}); "
-            f"expected layout {layout}"
-        )
-    classes = sorted({c.name for d in domains for c in (base / d).iterdir() if c.is_dir()})
-    if not classes:
-        raise DatasetError(f"no class folders under the domains of {root!r}; expected {layout}")
-    pools = []
-    for d in domains:
-        try:
-            pools.append(_ImageFolderDomain(base / d, classes, image_size))
-        except (FileNotFoundError, RuntimeError) as err:
-            raise DatasetError(
-                f"domain {d!r} under {root!r} has no readable images ({err}); expected {layout}"
-            ) from err
+    classes = sorted({c.name for d in domains for c in (base / d).iterdir()
+                      if c.is_dir() and not c.name.startswith(".")})
+    pools = [_ImageFolderDomain(base / d, classes, image_size) for d in domains]
     return pools, classes
 
 
@@ -282,6 +325,9 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
     if source not in SOURCES:
         raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
     domains: list[str] = list(cfg["domains"])
+    root = str(cfg.get("root", "") or "")
+    if source == "imagefolder" and not domains and root and Path(root).is_dir():
+        domains = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
     if not domains:
         raise DatasetError("dataset.domains is empty; list at least one domain")
     per_domain = int(cfg["clients_per_domain"])
@@ -339,10 +385,16 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         raise DatasetError(f"unknown dataset.split {split!r}; valid: per-client (each client's own "
                            "train/val/test), pflbed (FedBasis' shared, class-balanced test per domain)")
     for d, (name, (pool, labels)) in enumerate(zip(domains, pools, strict=True)):
-        if split == "pflbed":
-            splits = _pflbed_splits(cfg, labels, per_domain, new_per_domain, seed=rng_seed + 101 * d, domain=name)
-        else:
-            splits = _per_client_splits(cfg, labels, per_domain, new_per_domain, big, factor, rng_seed, d, name)
+        try:
+            if split == "pflbed":
+                splits = _pflbed_splits(cfg, labels, per_domain, new_per_domain, seed=rng_seed + 101 * d,
+                                        domain=name)
+            else:
+                splits = _per_client_splits(cfg, labels, per_domain, new_per_domain, big, factor, rng_seed,
+                                            d, name)
+        except PartitionError as err:
+            raise DatasetError(f"domain {name!r} ({len(labels)} samples) cannot be split across "
+                               f"{per_domain + new_per_domain} clients: {err}") from err
         for k, (tr, va, te) in enumerate(splits):
             if k < per_domain:
                 cid = str(d * per_domain + k)

@@ -42,20 +42,45 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
+
+
+def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], list[str], int]:
+    """Everything that can be checked before a Flower process starts (exit 2 on failure):
+    the config, the dataset (the whole image tree for image folders: missing or empty
+    folders, nested folders, unreadable images, too few images for the split), and the run
+    folder (another run's results, or a live run writing it)."""
+    from learning.data import image_tree_problems, load_federated_data
+    from server.results import RunFolderError, check_run_folder, lock_is_held
+
+    run_cfg, rest = split_overrides(args.overrides)
+    run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
+    cfg = compose_config(run_cfg, rest)
+    n = num_clients(cfg.dataset)
+    if cfg.dataset.source == "imagefolder":
+        problems = image_tree_problems(str(cfg.dataset.root), list(cfg.dataset.domains), verify_images=True)
+        if problems:
+            raise DatasetError(f"dataset {cfg.dataset.name!r}: the image-folder tree has problems:\n  - "
+                               + "\n  - ".join(problems))
+    load_federated_data(cfg.dataset, int(cfg.seed))   # builds every split: fails here, not in a client
+    if cfg.resume:
+        run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
+    run_dir = Path(cfg.results_root) / cfg.run_name
+    try:
+        check_run_folder(run_dir, bool(cfg.resume), bool(cfg.overwrite))
+    except RunFolderError as err:
+        raise ConfigError(str(err)) from err
+    if lock_is_held(run_dir):
+        raise ConfigError(f"{run_dir} is being written by another live run; wait for it to finish "
+                          "or stop it, or choose another run_name")
+    return cfg, run_cfg, rest, n
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ops.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
 
     try:
-        run_cfg, rest = split_overrides(args.overrides)
-        run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
-        cfg = compose_config(run_cfg, rest)
-        n = num_clients(cfg.dataset)
-        root = str(cfg.dataset.get("root") or "")
-        if root and not Path(root).is_dir():
-            raise ConfigError(f"dataset.root {root!r} does not exist; point it at the "
-                              f"{cfg.dataset.name} data folder (see conf/dataset/{cfg.dataset.name}.yaml)")
-        if cfg.resume:
-            run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
+        cfg, run_cfg, rest, n = preflight(args)
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
@@ -65,11 +90,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
                   f"client-resources-num-gpus={_num(args.num_gpus)}")
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}")
+    keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
     try:
-        with simulation_superlink() as (link, flwr_home):
+        with simulation_superlink(keep_in=keep) as (link, flwr_home):
             print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
             write_pid_file(run_dir, link)
             code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation)
+            if code != 0:
+                follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds))
     except LaunchError as err:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
         return 3
@@ -77,13 +105,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("pflower: interrupted; all Flower processes were stopped", file=sys.stderr)
         return 130
     failed = run_dir / "FAILED"
-    if failed.exists():
-        print(f"pflower: run failed: {failed.read_text().strip()}", file=sys.stderr)
-        return 1
-    if code != 0 or not summary.exists() or summary.stat().st_mtime < started:
-        print(f"pflower: run did not complete (flwr exit code {code}, no fresh {summary}); "
-              "see the log above", file=sys.stderr)
-        return 1
+    if failed.exists() and failed.stat().st_mtime >= started:
+        return report_failure(run_dir, failed.read_text().strip())
+    if not summary.exists() or summary.stat().st_mtime < started:
+        return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
+                                       f"{summary}); see the log above")
     if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.get("new_clients_per_domain", 0)) > 0:
         from ops.personalize import personalize_run
 
@@ -99,9 +125,67 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "new_client_accuracy_mean" in s:
         print(f"pflower: new clients (personalised, {cfg.personalize.epochs} epochs at lr {cfg.personalize.lr}): "
               f"accuracy mean {s['new_client_accuracy_mean']:.4f} min {s['new_client_accuracy_min']:.4f}")
-    print(f"pflower: done. accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
-          f"std {s['accuracy_std']:.4f} -> {summary}")
+    return report_done(s, summary)
+
+
+def report_done(s: dict, summary: Path) -> int:
+    """The last line: the result, and loudly whether it covers every client."""
+    line = (f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
+            f"std {s['accuracy_std']:.4f} -> {summary}")
+    missing = s.get("clients_missing") or {}
+    if missing:
+        reasons = "; ".join(f"{c}: {r}" for c, r in missing.items())
+        print(f"pflower: done, PARTIAL: only {s['clients_reported']} of {s['clients_expected']} clients "
+              f"reported (missing {reasons}); {line}", file=sys.stderr)
+        return EXIT_PARTIAL
+    print(f"pflower: done. {line}")
     return 0
+
+
+def report_failure(run_dir: Path, reason: str) -> int:
+    """Leave ``FAILED`` (the reason and how to go on) in the run folder, and say it."""
+    from learning.storage import atomic_write_text
+    from server.checkpoint import CHECKPOINT
+
+    hint = (f"resume with: pflower run resume={run_dir}" if (run_dir / CHECKPOINT).exists()
+            else "no checkpoint was written; run again (with overwrite=true to replace this folder)")
+    if run_dir.is_dir():
+        atomic_write_text(run_dir / "FAILED", f"{reason}\n{hint}\n")
+    print(f"pflower: run failed: {reason}\npflower: {hint}", file=sys.stderr)
+    return 1
+
+
+ACTIVE = ("pending", "starting", "running")
+
+
+def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
+                             poll_s: float = 3.0) -> None:
+    """``flwr run --stream`` can exit while the run goes on (the log stream to the SuperLink
+    dropped). Ask the SuperLink: while the run is still active, follow its progress from
+    ``metrics.jsonl`` until it finishes, instead of killing a healthy run."""
+    from ops.launch import run_status
+
+    status = run_status(flwr_home)
+    if status is None or not status.startswith(ACTIVE):
+        return
+    print(f"pflower: the log stream ended (flwr exit code {code}) but the run is still {status} on "
+          "the SuperLink; following it from its metrics", file=sys.stderr, flush=True)
+    metrics, seen, unreachable = run_dir / "metrics.jsonl", 0, 0
+    while True:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        for line in lines[seen:]:
+            with contextlib.suppress(json.JSONDecodeError, KeyError):
+                rec = json.loads(line)
+                ev = rec.get("evaluate", {})
+                acc = f" accuracy mean {ev['accuracy_mean']:.4f}" if ev else ""
+                print(f"pflower: [round {rec['round']}/{rounds}]{acc}", flush=True)
+        seen = len(lines)
+        status = run_status(flwr_home)
+        unreachable = unreachable + 1 if status is None else 0
+        if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
+            print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
+            return
+        time.sleep(poll_s)
 
 
 PID_FILE = "pflower.pid"
@@ -228,10 +312,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         run_cfg, rest = split_overrides(combo)
         root = Path(run_cfg.get("results-root", "results")).resolve()
         cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
+        done = root / cfg.run_name / "summary.json"
+        if done.exists() and not cfg.overwrite and not (root / cfg.run_name / "FAILED").exists():
+            print(f"pflower sweep: {root / cfg.run_name} is already done; reusing it "
+                  "(overwrite=true to run it again)", flush=True)
+            runs.append(root / cfg.run_name)
+            continue
         code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus))
-        if code != 0:
+        if code not in (0, EXIT_PARTIAL):
             failures += 1
             continue
+        failures += code == EXIT_PARTIAL
         runs.append(root / cfg.run_name)
     if runs:
         cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
@@ -250,22 +341,47 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def overrides_help() -> str:
+    """The keys, strategies, datasets and models a run takes (from conf/, never stale)."""
+    from learning.config import group_options
+
+    groups = "\n".join(f"  {g:<11} {', '.join(group_options(g))}" for g in ("strategy", "dataset", "model",
+                                                                           "experiment"))
+    return f"""overrides (KEY=VALUE, anywhere on the line, options too):
+{groups}
+  rounds, seed, run_name, results_root, overwrite=true, resume=<run folder>, device,
+  eval_every, fraction_train, min_train_clients, round_timeout, checkpoint_every,
+  train.{{lr,local_epochs,batch_size,momentum,weight_decay,optimizer,amp}},
+  dataset.{{root,clients_per_domain,new_clients_per_domain,partition,dirichlet_alpha,image_size}},
+  strategy.<option> (see conf/strategy/<name>.yaml), finetune.*, personalize.*
+  e.g.  pflower run strategy=fdse --num-gpus 0.25 rounds=5
+        pflower run dataset=imagefolder dataset.root=/data/my-digits strategy=fedbn
+A run writes <results_root>/<run_name>/ (default name [<experiment>-]<strategy>-<dataset>-
+<model>-s<seed>[-<hash of other overrides>]); an existing run folder is refused unless
+resume=<folder> or overwrite=true. Exit codes: 0 done, 1 failed, 2 bad input (nothing
+started), 3 Flower could not start, 4 done but some clients are missing, 130 interrupted."""
+
+
 def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     parser = argparse.ArgumentParser(prog="pflower", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run one simulation")
+    p = sub.add_parser("run", help="run one simulation", epilog=overrides_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client (e.g. 0.25)")
+    p.add_argument("--keep-temp", action="store_true",
+                   help="keep the private SuperLink's folder (log, database) as <run folder>/superlink")
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("compare", help="compare run folders in one table and plot")
     c.add_argument("runs", nargs="+")
     c.add_argument("--out", default="", help="write the Markdown table here")
     c.add_argument("--plot", default="", help="write the comparison plot here (PNG)")
     c.set_defaults(func=cmd_compare)
-    s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it")
+    s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it",
+                       epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="+")
     s.add_argument("--out", default="")
     s.add_argument("--plot", default="")
@@ -279,7 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     add_deploy_parser(sub)
     add_adapt_parser(sub)
     add_personalize_parser(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves
+    # `rounds=5` unparsed (argparse stops the positional list at the option)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return int(args.func(args))
 
 

@@ -3,8 +3,9 @@
 Runs are grouped by (strategy, dataset, model); each group's row gives the mean and
 standard deviation over its seeds of the final personalised accuracy (mean over
 clients and worst client), the global model's accuracy where there is one, and the
-best-by-validation round's accuracy. If a ``local`` group with the same dataset, model
-and seeds is present, FEDORA's relative accuracy (R-Acc: mean over clients of
+best-by-validation round's accuracy. If a ``local`` run with the same dataset, seed and
+clients is present (the same model preferred, any model otherwise: R-Acc compares each
+client with what it reaches alone, whatever the method's model), FEDORA's relative accuracy (R-Acc: mean over clients of
 (acc - acc_local) / acc_local, so 0 = as good as Local) and positive transfer ratio (PTR:
 share of clients whose accuracy beats Local's) are added, computed per seed and client
 against the Local run with the same seed.
@@ -52,6 +53,15 @@ def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any]) -> tuple
     return float(np.mean(ratios)), float(np.mean(wins))
 
 
+def matching_local(run: Mapping[str, Any], local_runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Local run to measure ``run`` against: same dataset, seed and client ids; one with
+    the same model if there is one."""
+    same = [r for r in local_runs if r["dataset"] == run["dataset"] and r["seed"] == run["seed"]
+            and set(run["clients"]) <= set(r["clients"])]
+    same.sort(key=lambda r: r.get("model", "") != run.get("model", ""))
+    return same[0] if same else None
+
+
 def _fmt(values: list[float]) -> str:
     if not values:
         return "-"
@@ -66,8 +76,8 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[(r["strategy"], r["dataset"], r.get("model", ""))].append(r)
-    locals_by_seed = {(r["dataset"], r.get("model", ""), r["seed"]): r for r in runs if r["strategy"] == "local"}
-    show_rel = bool(locals_by_seed)
+    local_runs = [r for r in runs if r["strategy"] == "local"]
+    show_rel = bool(local_runs)
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
     if show_rel:
         header += ["R-Acc", "PTR"]
@@ -79,8 +89,8 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
         for key, _ in COLUMNS:
             cells.append(_fmt([r[key] for r in members if key in r]))
         if show_rel:
-            rel = [relative_to_local(r, locals_by_seed[(dataset, model, r["seed"])])
-                   for r in members if (dataset, model, r["seed"]) in locals_by_seed]
+            rel = [relative_to_local(r, local) for r in members
+                   if (local := matching_local(r, local_runs)) is not None]
             cells += [_fmt([x[0] for x in rel]), _fmt([x[1] for x in rel])]
         lines.append("| " + " | ".join(cells) + " |")
         accs = [r["accuracy_mean"] for r in members]

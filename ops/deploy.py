@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from ops.launch import (
     flwr_run,
     free_port,
     kill_group,
+    remove_private_files,
     write_flwr_config,
 )
 
@@ -162,6 +164,7 @@ class Deployment:
     mode: str = "tls"
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-deploy-")))
     data_root: str | None = None
+    state_root: Path | None = None   # node i keeps client state in <state_root>/node-<i>
     link: SuperLink | None = None
     nodes: list[SuperNode] = field(default_factory=list)
     extra: list[SuperNode] = field(default_factory=list)
@@ -187,6 +190,8 @@ class Deployment:
         return self.workdir / "flwr-home"
 
     def state_dir(self, index: int) -> Path:
+        if self.state_root is not None:
+            return Path(self.state_root) / f"node-{index}"
         return self.workdir / "nodes" / str(index) / "state"
 
     def node_config(self, index: int) -> str:
@@ -320,9 +325,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         to_toml_run_config,
     )
     from learning.data import DatasetError, num_clients
+    from server.results import RunFolderError, check_run_folder
 
     jobs: list[tuple[str, Path]] = []
     nodes = args.nodes
+    results_root: Path | None = None
     try:
         for combo in expand_grid(list(args.overrides)):
             run_cfg, rest = split_overrides(combo)
@@ -336,6 +343,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                     f"{' '.join(combo) or 'the default config'} has {n} clients but the deployment "
                     f"has {nodes} SuperNodes; use --nodes {n} or a dataset with {nodes} clients "
                     "(e.g. experiment=deploy-3 for 3)")
+            try:
+                check_run_folder(Path(cfg.results_root) / cfg.run_name, bool(cfg.resume), bool(cfg.overwrite))
+            except RunFolderError as err:
+                raise ConfigError(str(err)) from err
+            results_root = results_root or Path(cfg.results_root)
             jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name))
     except (ConfigError, DatasetError) as err:
         print(f"pflower deploy: {err}", file=sys.stderr)
@@ -343,8 +355,26 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.mode == "insecure":
         print("pflower deploy: INSECURE mode: no TLS, no SuperNode authentication", file=sys.stderr)
     workdir = Path(args.workdir) if args.workdir else None
+    # the SuperNodes' client state is data (it must outlive this command): it lives under the
+    # results, not in the temporary work folder
+    state_root = (results_root or Path("results").resolve()) / "supernode-state"
     dep = Deployment(nodes, args.mode, **({"workdir": workdir} if workdir else {}),
-                     data_root=args.data_root or None)
+                     data_root=args.data_root or None, state_root=state_root)
+    try:
+        return _deploy_jobs(dep, jobs, nodes, args)
+    finally:
+        if workdir is None:   # our temporary folder: keys first, then the rest
+            if args.keep_temp and jobs:
+                keep = jobs[0][1] / "deploy"
+                with contextlib.suppress(OSError):
+                    shutil.copytree(dep.workdir, keep, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("*.key"))
+                print(f"pflower deploy: kept the work folder (logs, certificates without private keys) "
+                      f"in {keep}", file=sys.stderr)
+            remove_private_files(dep.workdir)
+
+
+def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path]], nodes: int, args: argparse.Namespace) -> int:
     failures = 0
     with _sigterm_as_interrupt():
         try:
@@ -390,6 +420,9 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--workdir", default="", help="folder for certificates, logs, SuperLink db and node state")
     d.add_argument("--data-root", default="", help="data-root given to every SuperNode (node-config)")
     d.add_argument("--timeout", type=float, default=0.0, help="seconds per run before giving up (0 = none)")
+    d.add_argument("--keep-temp", action="store_true",
+                   help="keep the temporary work folder (logs, public certificates; private keys are "
+                        "always deleted) as <first run folder>/deploy")
     d.set_defaults(func=cmd_deploy)
 
 

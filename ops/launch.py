@@ -36,12 +36,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def exit_reason(code: int) -> str:
+    """``-15`` -> ``killed by signal 15 (SIGTERM)``; other codes as they are."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise LaunchError(f"process {proc.args[0]!r} exited with code {proc.returncode} before "
-                              f"listening on {host}:{port}")
+            raise LaunchError(f"process {Path(str(proc.args[0])).name!r} {exit_reason(proc.returncode)} "
+                              f"before listening on {host}:{port}")
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
             return
         time.sleep(0.2)
@@ -153,16 +161,30 @@ class SuperLink:
             cmd.append("--simulation")
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 60.0) -> SuperLink:
-        log_path = self.workdir / "superlink.log"
-        self.proc = subprocess.Popen(self.command(), stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=flower_env())
-        try:
-            wait_for_port(self.host, self.http_port, timeout, self.proc)
-        except LaunchError as err:
-            self.stop()
-            raise LaunchError(f"{err}; SuperLink log:\n{_tail(log_path)}") from err
-        return self
+    def start(self, timeout: float = 60.0, attempts: int = 2) -> SuperLink:
+        """Start and wait until the Control API listens. A start that fails (e.g. killed
+        under load, or a port taken between choosing and binding it) is retried once on
+        fresh ports; the error names the cause, the ports and the SuperLink's own output."""
+        errors = []
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, attempts + 1):
+            log_path = self.workdir / "superlink.log"
+            self.proc = subprocess.Popen(self.command(), stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=flower_env())
+            try:
+                wait_for_port(self.host, self.http_port, timeout, self.proc)
+                return self
+            except LaunchError as err:
+                self.stop()
+                log = _tail(log_path) or "(empty: it stopped before writing anything)"
+                errors.append(f"attempt {attempt}: {err} (fleet port {self.fleet_port}); SuperLink log:\n{log}")
+                if attempt < attempts:
+                    print(f"pflower: the SuperLink did not start ({err}); retrying on fresh ports",
+                          file=sys.stderr, flush=True)
+                    self.fleet_port, self.http_port = free_port(), free_port()
+        raise LaunchError("\n".join(errors) + "\nThe SuperLink failed twice. If it was killed (signal), "
+                          "the machine may be short of memory or another tool stops processes; if a port "
+                          "is taken, run again (ports are chosen afresh each time).")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -186,7 +208,7 @@ def _tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
-        return "(no log)"
+        return ""
 
 
 def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
@@ -227,11 +249,44 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config:
         raise
 
 
+def run_status(flwr_home: Path) -> str | None:
+    """Status of the latest run on our SuperLink (``running``, ``finished:completed``, ...),
+    from ``flwr ls --format json``; None when the SuperLink cannot be asked."""
+    import json
+
+    try:
+        out = subprocess.run([_exe("flwr"), "ls", FEDERATION, "--format", "json"], env=flower_env(flwr_home),
+                             capture_output=True, text=True, timeout=60)
+        runs = json.loads(out.stdout).get("runs", [])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
+        return None
+    if not runs:
+        return None
+    return str(runs[-1].get("status", "")) or None
+
+
+def remove_private_files(folder: Path) -> None:
+    """Delete a work folder, private keys first (so an interrupted removal never leaves a
+    key behind while less sensitive files are gone)."""
+    if not folder.exists():
+        return
+    for key in folder.rglob("*.key"):
+        key.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def simulation_superlink() -> Iterator[tuple[SuperLink, Path]]:
-    """A private simulation SuperLink plus a FLWR_HOME that points at it."""
+def simulation_superlink(keep_in: Path | None = None) -> Iterator[tuple[SuperLink, Path]]:
+    """A private simulation SuperLink plus a FLWR_HOME that points at it. Its temporary
+    folder (database, log, FLWR_HOME) is removed afterwards, or moved to ``keep_in``."""
     link = SuperLink(simulation=True)
     flwr_home = link.workdir / "flwr-home"
     write_flwr_config(flwr_home, link.control_address)
-    with link:
-        yield link, flwr_home
+    try:
+        with link:
+            yield link, flwr_home
+    finally:
+        if keep_in is not None:
+            with contextlib.suppress(OSError):
+                shutil.copytree(link.workdir, keep_in, dirs_exist_ok=True)
+        remove_private_files(link.workdir)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 
 from flwr.app import Context
 from flwr.common.logger import log
@@ -51,15 +51,20 @@ def main(grid: Grid, context: Context) -> None:
     recorder = RunRecorder(cfg, resume=bool(cfg.resume))
     log(INFO, "pflower: strategy=%s dataset=%s (%d clients) model=%s rounds=%d -> %s",
         cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)
-    strategy = build_strategy(cfg, data)
     try:
+        strategy = build_strategy(cfg, data)
         run_federation(strategy, grid, cfg, recorder)
+        (recorder.dir / "FAILED").unlink(missing_ok=True)
+        summary = recorder.finish(client_info(data), strategy.summary_extras())
     except Exception as err:
         log(ERROR, "pflower run failed: %s", err)
         (recorder.dir / "FAILED").write_text(f"{type(err).__name__}: {err}\n")
         raise
-    (recorder.dir / "FAILED").unlink(missing_ok=True)
-    summary = recorder.finish(client_info(data), strategy.summary_extras())
+    finally:
+        recorder.close()
     log(INFO, "pflower: accuracy mean %.4f min %.4f std %.4f (best round %d by validation) -> %s",
         summary["accuracy_mean"], summary["accuracy_min"], summary["accuracy_std"],
         summary["best_round"], recorder.dir / "summary.json")
+    if summary["clients_missing"]:
+        log(WARNING, "pflower: %d of %d clients reported; missing: %s", summary["clients_reported"],
+            summary["clients_expected"], "; ".join(f"{c} ({r})" for c, r in summary["clients_missing"].items()))

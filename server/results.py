@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,17 +29,101 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
+LOCK_FILE = ".lock"
+# files that make a folder a run's results (pflower.pid and the lock do not)
+RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state")
+
+
 def run_dir_of(cfg: DictConfig) -> Path:
     return Path(str(cfg.results_root)) / str(cfg.run_name)
 
 
+class RunFolderError(RuntimeError):
+    """The run folder holds another run, or another process is writing it."""
+
+
+def existing_run_files(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.glob("*") if p.name in RUN_FILES
+                  or p.name.startswith("checkpoint") or p.suffix == ".png")
+
+
+def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to write a run into a folder that holds another run's results, unless the run
+    resumes it (``resume=<folder>``) or replaces it (``overwrite=true``)."""
+    if resume or overwrite or not run_dir.is_dir():
+        return
+    found = existing_run_files(run_dir)
+    if found:
+        raise RunFolderError(
+            f"{run_dir} already holds a run ({', '.join(found[:4])}); resume it with "
+            f"resume={run_dir}, write elsewhere with run_name=<new name>, or replace it with "
+            "overwrite=true")
+
+
+class RunFolderLock:
+    """An exclusive ``flock`` on ``<run dir>/.lock`` for the life of a run: a second live
+    run on the same folder is refused instead of interleaving its rounds with ours. The OS
+    drops the lock when the process dies, so a killed run never leaves a stale lock."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunFolderLock:
+        import os
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderError(f"{self.path.parent} is being written by another live run; wait for "
+                                 "it to finish or stop it, or choose another run_name") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        import os
+
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def lock_is_held(run_dir: Path) -> bool:
+    """Whether a live process holds the run folder's lock (without taking it)."""
+    if not (run_dir / LOCK_FILE).exists():
+        return False
+    try:
+        RunFolderLock(run_dir).acquire().release()
+    except RunFolderError:
+        return True
+    return False
+
+
 class RunRecorder:
-    """Writes one run's folder as the run goes."""
+    """Writes one run's folder as the run goes (holding its lock until :meth:`close`)."""
 
     def __init__(self, cfg: DictConfig, resume: bool = False) -> None:
         self.cfg = cfg
         self.dir = run_dir_of(cfg)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = RunFolderLock(self.dir).acquire()
+        overwrite = bool(cfg.get("overwrite", False))
+        try:
+            check_run_folder(self.dir, resume, overwrite)
+        except RunFolderError:
+            self.lock.release()
+            raise
+        if overwrite and not resume:
+            for name in existing_run_files(self.dir):
+                path = self.dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.t0 = time.monotonic()
         atomic_write_text(self.dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         self.metrics_path = self.dir / METRICS_FILE
@@ -46,6 +133,10 @@ class RunRecorder:
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Release the run folder's lock (the run is over, finished or failed)."""
+        self.lock.release()
 
     def truncate_to(self, last_round: int) -> None:
         """On resume: drop lines of rounds after the checkpoint (they will be redone)."""
@@ -131,6 +222,9 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
         if "domain" in client_info.get(cid, {}):
             entry["domain"] = client_info[cid]["domain"]
         summary["clients"][cid] = entry
+    summary.update(client_coverage(rounds, last, client_info))
+    if summary["clients_missing"]:
+        summary["status"] = f"{status}-partial" if status != "completed" else "partial"
     comm = [r.get("communication", {}) for r in rounds]
     up = [sum(c.get("bytes_up", {}).values()) for c in comm if c]
     down = [sum(c.get("bytes_down", {}).values()) for c in comm if c]
@@ -143,8 +237,43 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
     return summary
 
 
+def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],
+                    client_info: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Which of the run's clients the final numbers cover, and why the others are missing
+    (an accuracy mean over 7 of 8 clients must say so)."""
+    expected = sorted(client_info, key=_cid_key)
+    reported = [c for c in expected if c in last.get("clients", {})]
+    failed_rounds: dict[str, int] = {}
+    last_reason: dict[str, str] = {}
+    for r in rounds:
+        for cid, reason in {**r.get("failed", {}), **r.get("rejected", {})}.items():
+            if cid in client_info:
+                failed_rounds[cid] = failed_rounds.get(cid, 0) + 1
+                last_reason[cid] = f"round {r['round']}: {reason}"
+    eval_failed = last.get("eval_failed", {})
+    missing = {c: (f"final evaluation: {eval_failed[c]}" if c in eval_failed
+                   else last_reason.get(c, "no reply to the final evaluation"))
+               for c in expected if c not in reported}
+    return {"clients_expected": len(expected), "clients_reported": len(reported),
+            "clients_missing": missing, "client_failures": failed_rounds}
+
+
 def _cid_key(cid: str) -> tuple[int, int]:
     return (1, int(cid[4:])) if cid.startswith("new-") else (0, int(cid) if cid.isdigit() else 0)
+
+
+def accuracy_lines(evals: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The accuracy series to draw: personalised, and the global model's when it differs
+    (for FedAvg they are the same model: one line, labelled so, instead of two on top of
+    each other)."""
+    ev = evals[-1]["evaluate"]
+    if "global_accuracy_mean" not in ev:
+        return [("accuracy", "personalised")]
+    same = all(r["evaluate"].get("global_accuracy_mean") == r["evaluate"]["accuracy_mean"]
+               and r["evaluate"].get("global_accuracy_min") == r["evaluate"]["accuracy_min"] for r in evals)
+    if same:
+        return [("accuracy", "personalised = global model")]
+    return [("accuracy", "personalised"), ("global_accuracy", "global model")]
 
 
 def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, Any]) -> None:
@@ -152,14 +281,15 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     evals = _eval_rounds(rounds)
     xs = [r["round"] for r in evals]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("accuracy", "personalised"), ("global_accuracy", "global model")):
-        if f"{key}_mean" in evals[-1]["evaluate"]:
-            ax.plot(xs, [r["evaluate"][f"{key}_mean"] for r in evals], label=f"{label} (mean)")
-            ax.plot(xs, [r["evaluate"][f"{key}_min"] for r in evals], "--", label=f"{label} (min)")
+    for key, label in accuracy_lines(evals):
+        ax.plot(xs, [r["evaluate"][f"{key}_mean"] for r in evals], marker=".", label=f"{label} (mean)")
+        ax.plot(xs, [r["evaluate"][f"{key}_min"] for r in evals], "--", label=f"{label} (min)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy over clients")
     ax.set_title(f"{summary['strategy']} on {summary['dataset']} (seed {summary['seed']})")
@@ -170,9 +300,19 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     plt.close(fig)
 
     clients = summary["clients"]
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(clients)), 4))
-    ax.bar(list(clients), [c["accuracy"] for c in clients.values()])
-    ax.set_xlabel("client")
+    domains = sorted({str(c.get("domain", "")) for c in clients.values()})
+    colours = {d: f"C{i % 10}" for i, d in enumerate(domains)}
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(clients)), 4))
+    bars = ax.bar(range(len(clients)), [c["accuracy"] for c in clients.values()],
+                  color=[colours[str(c.get("domain", ""))] for c in clients.values()])
+    ax.set_xticks(range(len(clients)), [f"{cid}\n{c.get('domain', '')}" for cid, c in clients.items()],
+                  fontsize=7)
+    if len(domains) > 1:
+        seen: set[str] = set()
+        handles = [(b, str(c.get("domain"))) for b, c in zip(bars, clients.values(), strict=True)
+                   if str(c.get("domain")) not in seen and not seen.add(str(c.get("domain")))]
+        ax.legend([h for h, _ in handles], [d for _, d in handles], title="domain", fontsize=7)
+    ax.set_xlabel("client (domain)")
     ax.set_ylabel("final personalised test accuracy")
     ax.set_ylim(0, 1)
     ax.set_title(f"{summary['strategy']}: mean {summary['accuracy_mean']:.3f}, min {summary['accuracy_min']:.3f}")

@@ -38,6 +38,7 @@ from common.protocol import (
     CONFIG_KEY,
     METRICS_KEY,
     NUM_EXAMPLES,
+    NUM_PARTITIONS,
     decode_client_id,
     from_record,
     to_record,
@@ -48,6 +49,12 @@ from learning.params import NDArrays, num_bytes, weighted_mean
 
 class RoundFailedError(RuntimeError):
     """Too few clients replied in a round; the message names the missing ones."""
+
+
+# After the first round, how long to wait for a client that has just disappeared (e.g. a
+# SuperNode restarting) before going on without it; a client already missing in the
+# previous round is not waited for again, so one dead SuperNode slows one round, not all.
+REJOIN_WAIT_S = 15.0
 
 
 @dataclass
@@ -178,6 +185,10 @@ class PersonalizedStrategy(Strategy):
                                       if model is not None and "name" in self.options else {})
         # seconds to wait for identification (QUERY) replies; bounded like a round
         self.query_timeout = float(cfg.get("round_timeout", 600.0)) if cfg is not None else 600.0
+        self.federation_size: int | None = None   # num-partitions reported by simulated nodes
+        self._missing: set[str] | None = None      # expected clients without a node, last call
+        self._idle_logged: set[str] = set()
+        self._sent_at = 0.0
 
     def client_labels(self, prefix: str = "client ") -> dict[str, str]:
         """``<prefix><id> (<domain>)`` per participating client, for plot legends."""
@@ -258,27 +269,66 @@ class PersonalizedStrategy(Strategy):
             if msg.has_error():
                 log(WARNING, "node %s did not identify itself: %s", msg.metadata.src_node_id, msg.error.reason)
                 continue
-            metrics = msg.content.metric_records.get(METRICS_KEY)
+            rec = msg.content.metric_records.get(METRICS_KEY)
+            metrics = dict(rec.items()) if rec else {}
             try:
-                self.node_to_client[msg.metadata.src_node_id] = decode_client_id(dict(metrics.items()) if metrics else {})
+                self.node_to_client[msg.metadata.src_node_id] = decode_client_id(metrics)
             except (KeyError, ValueError) as err:
                 log(WARNING, "node %s sent an unusable identification: %s", msg.metadata.src_node_id, err)
+            if NUM_PARTITIONS in metrics:
+                self.federation_size = int(metrics[NUM_PARTITIONS])
+
+    def check_federation_size(self) -> None:
+        """A simulation with fewer SuperNodes than clients can never run every client: say
+        which clients have no node and how to fix it, before any training."""
+        size = self.federation_size
+        if size is None or size >= len(self.client_ids):
+            return
+        missing = [c for c in self.client_ids if not (c.isdigit() and int(c) < size)]
+        raise RoundFailedError(
+            f"the federation has {size} SuperNodes but the dataset has {len(self.client_ids)} "
+            f"clients; clients {', '.join(missing)} have no SuperNode. Run it with "
+            f"`flwr run . --stream --federation-config \"num-supernodes={len(self.client_ids)}\"` "
+            "(or use `pflower run`, which sets it); extra SuperNodes stay idle")
 
     def _connected_nodes(self, grid: Grid) -> list[int]:
-        """Wait (bounded) for the expected number of nodes, identify them, and return them
-        ordered by stable client id (nodes that could not be identified last)."""
-        deadline = time.monotonic() + self.wait_for_clients
-        nodes = list(grid.get_node_ids())
-        while len(nodes) < len(self.client_ids) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        """The nodes to address this round, ordered by stable client id (nodes that could
+        not be identified last). Nodes are identified as they connect; the first call waits
+        (up to ``wait_for_clients``) for every expected client, later calls only
+        ``REJOIN_WAIT_S`` for a client that has just disappeared. Nodes whose client id is
+        not one of the run's clients (a simulation with more SuperNodes than clients) stay
+        idle."""
+        expected = set(self.client_ids)
+        first = self._missing is None
+        wait = self.wait_for_clients if first else min(self.wait_for_clients, REJOIN_WAIT_S)
+        deadline = time.monotonic() + wait
+        while True:
             nodes = list(grid.get_node_ids())
+            self.identify(grid, nodes)
+            self.check_federation_size()
+            present = {self.node_to_client[n] for n in nodes if n in self.node_to_client}
+            missing = expected - present
+            newly_missing = missing if first else missing - (self._missing or set())
+            if not newly_missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if missing and missing != self._missing:
+            log(WARNING, "clients without a connected node: %s", ", ".join(sorted(missing, key=client_sort_key)))
+        self._missing = missing
+        idle = {self.node_to_client[n] for n in nodes if self.node_to_client.get(n, "") not in expected
+                and n in self.node_to_client and not self.node_to_client[n].startswith("new-")}
+        if idle - self._idle_logged:
+            log(INFO, "idle SuperNodes (not clients of this dataset): %s", ", ".join(sorted(idle, key=client_sort_key)))
+            self._idle_logged |= idle
+        nodes = [n for n in nodes if n not in self.node_to_client or self.node_to_client[n] in expected
+                 or self.node_to_client[n].startswith("new-")]
         if len(nodes) < self.min_train_clients:
             raise RoundFailedError(
                 f"only {len(nodes)} of {len(self.client_ids)} clients connected within "
-                f"{self.wait_for_clients:.0f}s (min_train_clients={self.min_train_clients}); "
+                f"{wait:.0f}s (min_train_clients={self.min_train_clients}); missing: "
+                f"{', '.join(sorted(missing, key=client_sort_key)) or '-'}; "
                 "start more SuperNodes or lower min_train_clients"
             )
-        self.identify(grid, nodes)
         return sorted(nodes, key=lambda n: (n not in self.node_to_client, client_sort_key(self._label(n)), n))
 
     def _message(self, node_id: int, payload: NDArrays, config: Mapping[str, Any],
@@ -288,6 +338,15 @@ class PersonalizedStrategy(Strategy):
 
     def _label(self, node_id: int) -> str:
         return self.node_to_client.get(node_id, f"node-{node_id}")
+
+    def no_reply_reason(self) -> str:
+        """Why a node sent nothing back: the round timed out, or (when the grid returned well
+        before the timeout) the message never reached a live node."""
+        waited = time.monotonic() - self._sent_at
+        if waited < 0.9 * self.query_timeout:
+            return (f"no reply after {waited:.0f}s: the node went offline or the message could "
+                    f"not be delivered (the round timeout is {self.query_timeout:.0f}s)")
+        return f"no reply within the round timeout ({self.query_timeout:.0f}s)"
 
     # ------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -309,6 +368,7 @@ class PersonalizedStrategy(Strategy):
             messages.append(self._message(node, payload, cfg, MessageType.TRAIN))
         log(INFO, "configure_train: round %d, sampled %d of %d clients", server_round, len(sampled),
             len(nodes))
+        self._sent_at = time.monotonic()
         return messages
 
     def parse_replies(self, replies: Iterable[Message], sent_to: Iterable[int]) -> list[ClientUpdate]:
@@ -353,8 +413,8 @@ class PersonalizedStrategy(Strategy):
             self.round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
         for node in sent_to:
             if node not in answered:
-                self.round_log.failed[self._label(node)] = "no reply within the round timeout"
-                log(WARNING, "client %s sent no reply within the round timeout", self._label(node))
+                self.round_log.failed[self._label(node)] = self.no_reply_reason()
+                log(WARNING, "client %s: %s", self._label(node), self.round_log.failed[self._label(node)])
         # a fixed order (by client id, not arrival) keeps float sums reproducible
         updates.sort(key=lambda u: client_sort_key(u.client_id))
         return updates
@@ -400,6 +460,7 @@ class PersonalizedStrategy(Strategy):
         nodes = self._connected_nodes(grid)
         cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
         self._sent_eval = list(nodes)
+        self._sent_at = time.monotonic()
         return [self._message(n, self.payload_for(self.node_to_client.get(n)), cfg, MessageType.EVALUATE)
                 for n in nodes]
 
@@ -423,7 +484,7 @@ class PersonalizedStrategy(Strategy):
             self.last_eval[cid] = {k: float(v) for k, v in metrics.items()}
         for n in self._sent_eval:
             if n not in answered:
-                eval_failed[self._label(n)] = "no reply within the round timeout"
+                eval_failed[self._label(n)] = self.no_reply_reason()
         self.eval_failed = eval_failed
         if not self.last_eval:
             return None

@@ -16,7 +16,7 @@ import pytest
 from flwr.app import Message, MessageType
 from flwr.supercore.task_identity import TaskIdentity
 
-from common.protocol import make_reply
+from common.protocol import NUM_PARTITIONS, make_reply
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -51,7 +51,8 @@ class FakeGrid:
 
     def __init__(self, client_ids: list[str],
                  handler: Callable[[str, Message], Message | None] | None = None,
-                 node_base: int = 1000) -> None:
+                 node_base: int = 1000, num_partitions: int | None = None) -> None:
+        self.num_partitions = num_partitions   # what simulated nodes report when identified
         self.node_of = {cid: node_base + 7 * i + 3 for i, cid in enumerate(reversed(client_ids))}
         self.client_of = {n: c for c, n in self.node_of.items()}
         self.handler = handler
@@ -68,7 +69,8 @@ class FakeGrid:
             self.sent.append(msg)
             cid = self.client_of[msg.metadata.dst_node_id]
             if msg.metadata.message_type == MessageType.QUERY:
-                out.append(make_reply(msg, {}, {}, cid, 0))
+                size = {} if self.num_partitions is None else {NUM_PARTITIONS: float(self.num_partitions)}
+                out.append(make_reply(msg, {}, size, cid, 0))
                 continue
             reply = self.handler(cid, msg) if self.handler is not None else None
             if reply is not None:

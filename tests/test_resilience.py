@@ -153,8 +153,22 @@ def test_too_few_replies_fail_the_round_naming_the_missing_clients() -> None:
     text = str(err.value)
     assert "only 1 valid replies" in text and "min_train_clients=3" in text
     assert "1 (client error: RuntimeError: injected fault)" in text
-    assert "2 (no reply within the round timeout)" in text
+    # the grid came back at once: the message never reached a live node (not a timeout)
+    assert "2 (no reply after 0s: the node went offline or the message could not be delivered" in text
     assert grid.timeouts and all(t == 7.0 for t in grid.timeouts)  # every wait is bounded
+
+
+def test_a_real_timeout_is_reported_as_one() -> None:
+    st = strategy(n=3, min_train_clients=3, cfg={"round_timeout": 0.3})
+
+    def slow_silence(cid: str, msg: Message) -> None:
+        time.sleep(0.35)  # the grid waited for the whole round timeout
+        return None
+
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": slow_silence}))
+    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    with pytest.raises(RoundFailedError, match=r"2 \(no reply within the round timeout \(0s\)\)"):
+        st.aggregate_train(1, grid.send_and_receive(msgs, timeout=0.3))
 
 
 def test_waiting_for_clients_is_bounded() -> None:

@@ -1,0 +1,423 @@
+"""What a new user meets in the first hour (issue 15): run folders that are never silently
+reused, runs that say when clients are missing, a federation of the wrong size, errors
+before any Flower process starts, options anywhere, temporary folders removed, plots,
+and ``compare`` against Local across models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FakeGrid
+from flwr.app import ConfigRecord
+from omegaconf import OmegaConf
+from PIL import Image
+from styled_digits import make_styled_digits
+
+from common.protocol import make_reply, to_record
+from learning.config import compose_config
+from server.results import (
+    RunFolderError,
+    RunFolderLock,
+    RunRecorder,
+    accuracy_lines,
+    build_summary,
+    lock_is_held,
+)
+from strategies.base import PersonalizedStrategy, RoundFailedError
+
+REF = {"w": np.zeros((3, 2), np.float32)}
+
+
+@pytest.fixture(autouse=True)
+def _in_a_flower_task(flower_task: None) -> None:
+    """Some tests here build Messages."""
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """``pflower`` in this process (no Flower process is started by the paths tested here)."""
+    from ops.cli import main
+
+    out = subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True,
+                         timeout=300)
+    assert main is not None
+    return out.returncode, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- run names and folders
+def test_default_run_name_includes_the_experiment_and_what_else_differs() -> None:
+    base = compose_config({}).run_name
+    assert base == "fedavg-digits-domains-cnn-s0"
+    assert compose_config({"experiment": "deploy-3"}).run_name.startswith("deploy-3-fedavg-")
+    five, lr = compose_config({"rounds": "5"}).run_name, compose_config({}, ["train.lr=0.01"]).run_name
+    assert len({base, five, lr}) == 3 and five.startswith(base + "-")
+    # the same overrides always give the same name (server, clients and CLI agree)
+    assert compose_config({}, ["train.lr=0.01"]).run_name == lr
+    # where results go and the seed's own suffix do not add a hash
+    assert compose_config({"results-root": "/tmp/elsewhere", "seed": "2"}).run_name == \
+        "fedavg-digits-domains-cnn-s2"
+
+
+def _cfg(tmp_path: Path, **extra: object):
+    cfg = compose_config({"results-root": str(tmp_path), "run-name": "r"})
+    cfg = OmegaConf.merge(cfg, OmegaConf.create(extra)) if extra else cfg
+    return cfg
+
+
+def test_an_existing_run_folder_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
+    first = RunRecorder(_cfg(tmp_path))
+    first.log_round({"round": 1})
+    (tmp_path / "r" / "client_state" / "0").mkdir(parents=True)
+    first.close()
+    with pytest.raises(RunFolderError, match=r"already holds a run .*resume=.*overwrite=true"):
+        RunRecorder(_cfg(tmp_path))
+    assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 1   # nothing lost
+    RunRecorder(_cfg(tmp_path), resume=True).close()                       # resume may reuse it
+    RunRecorder(_cfg(tmp_path, overwrite=True)).close()                   # overwrite replaces it ...
+    assert not (tmp_path / "r" / "client_state").exists()                 # ... with no stale state
+
+
+def test_a_second_live_run_on_the_same_folder_is_refused(tmp_path: Path) -> None:
+    live = RunRecorder(_cfg(tmp_path))
+    assert lock_is_held(tmp_path / "r")
+    with pytest.raises(RunFolderError, match="being written by another live run"):
+        RunRecorder(_cfg(tmp_path, overwrite=True))
+    live.close()
+    assert not lock_is_held(tmp_path / "r")
+    RunFolderLock(tmp_path / "r").acquire().release()
+
+
+def test_pflower_run_refuses_an_existing_folder_before_starting_anything(tmp_path: Path) -> None:
+    (tmp_path / "fedavg-digits-domains-cnn-s0").mkdir()
+    (tmp_path / "fedavg-digits-domains-cnn-s0" / "summary.json").write_text("{}")
+    t0 = time.monotonic()
+    code, out = _cli("run", f"results_root={tmp_path}")
+    assert code == 2, out
+    assert "already holds a run" in out and "overwrite=true" in out and "SuperLink" not in out
+    assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------- lost clients
+def _round(rnd: int, clients: dict[str, float], **extra: object) -> dict:
+    accs = list(clients.values())
+    return {"round": rnd, "clients": {c: {"accuracy": a, "val_accuracy": a} for c, a in clients.items()},
+            "evaluate": {"accuracy_mean": float(np.mean(accs)), "accuracy_min": min(accs),
+                         "accuracy_std": float(np.std(accs)), "val_accuracy_mean": float(np.mean(accs))},
+            **extra}
+
+
+def test_a_summary_over_fewer_clients_says_which_are_missing_and_why() -> None:
+    cfg = compose_config({})
+    info = {str(i): {"num_train": 10} for i in range(4)}
+    rounds = [_round(1, {"0": 0.5, "1": 0.6, "2": 0.7, "3": 0.8}),
+              _round(2, {"0": 0.5, "1": 0.6, "2": 0.7}, failed={"3": "client error: state is corrupted"},
+                     eval_failed={"3": "client error: state is corrupted"})]
+    s = build_summary(cfg, rounds, info, "completed")
+    assert s["status"] == "partial"
+    assert (s["clients_expected"], s["clients_reported"]) == (4, 3)
+    assert s["clients_missing"] == {"3": "final evaluation: client error: state is corrupted"}
+    assert s["client_failures"] == {"3": 1}
+    full = build_summary(cfg, rounds[:1], info, "completed")
+    assert full["status"] == "completed" and full["clients_missing"] == {}
+
+
+def test_the_cli_last_line_says_a_run_is_partial(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from ops.cli import EXIT_PARTIAL, report_done
+
+    s = {"accuracy_mean": 0.5, "accuracy_min": 0.4, "accuracy_std": 0.1, "clients_expected": 8,
+         "clients_reported": 7, "clients_missing": {"3": "no reply to the final evaluation"}}
+    assert report_done(s, tmp_path / "summary.json") == EXIT_PARTIAL
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "PARTIAL: only 7 of 8 clients reported" in err and "3: no reply" in err
+    assert report_done({**s, "clients_missing": {}}, tmp_path / "summary.json") == 0
+
+
+# ---------------------------------------------------------------- federation size
+def _strategy(n: int, **kw: object) -> PersonalizedStrategy:
+    kw.setdefault("wait_for_clients", 120.0)
+    return PersonalizedStrategy(initial_arrays=dict(REF), client_ids=[str(i) for i in range(n)],
+                                min_train_clients=2, **kw)  # type: ignore[arg-type]
+
+
+def _train(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> list:
+    return list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
+
+
+def test_fewer_supernodes_than_clients_fail_at_once_naming_the_missing_clients() -> None:
+    st = _strategy(8)
+    grid = FakeGrid([str(i) for i in range(2)], num_partitions=2)   # flwr's default: 2 nodes
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailedError) as err:
+        _train(st, grid)
+    assert time.monotonic() - t0 < 5   # not after wait_for_clients (120 s)
+    text = str(err.value)
+    assert "2 SuperNodes but the dataset has 8 clients" in text
+    assert "clients 2, 3, 4, 5, 6, 7 have no SuperNode" in text and 'num-supernodes=8' in text
+
+
+def test_extra_supernodes_stay_idle() -> None:
+    st = _strategy(8)
+    grid = FakeGrid([str(i) for i in range(10)], num_partitions=10)
+    msgs = _train(st, grid)
+    addressed = sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs)
+    assert addressed == [str(i) for i in range(8)]
+
+
+def test_a_client_that_disappears_is_waited_for_once_not_every_round() -> None:
+    st = _strategy(4, wait_for_clients=1.0)
+    grid = FakeGrid([str(i) for i in range(4)],
+                    lambda cid, msg: make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, cid, 1))
+    st.aggregate_train(1, grid.send_and_receive(_train(st, grid), timeout=5))
+    del grid.client_of[grid.node_of.pop("3")]            # its SuperNode dies
+    t0 = time.monotonic()
+    st.aggregate_train(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
+    waited = time.monotonic() - t0
+    t1 = time.monotonic()
+    msgs = _train(st, grid, 3)
+    assert 0.9 <= waited < 3 and time.monotonic() - t1 < 0.5
+    assert sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs) == ["0", "1", "2"]
+
+
+# ---------------------------------------------------------------- errors before Flower starts
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_styled_digits(tmp_path_factory.mktemp("trees") / "my-digits", per_domain=60)
+
+
+def _copy(tree: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    root = tmp_path / "my-digits"
+    shutil.copytree(tree, root)
+    return root
+
+
+def test_the_generic_imagefolder_dataset_discovers_domains_classes_and_its_name(tree: Path) -> None:
+    from learning.data import load_federated_data
+
+    cfg = compose_config({"dataset": "imagefolder"}, [f"dataset.root={tree}", "dataset.image_size=28"])
+    assert cfg.dataset.name == "my-digits" and cfg.run_name == "fedavg-my-digits-cnn-s0"
+    assert list(cfg.dataset.domains) == ["ink", "neon", "noisy", "photo"]
+    data = load_federated_data(cfg.dataset, 0)
+    assert data.num_classes == 10 and data.input_shape == (3, 28, 28)
+    assert {c.domain for c in data.clients.values()} == {"ink", "neon", "noisy", "photo"}
+    # the named presets are thin: PACS is the image-folder dataset with its domains
+    pacs = compose_config({"dataset": "pacs"}, [f"dataset.root={tree}"]).dataset
+    assert pacs.source == "imagefolder" and pacs.name == "pacs" and "sketch" in pacs.domains
+
+
+@pytest.mark.parametrize("problem", ["wrong-domain", "empty-class", "nested", "unreadable", "too-few",
+                                     "empty-domain"])
+def test_every_layout_problem_is_found_before_flower_starts(problem: str, tree: Path, tmp_path: Path) -> None:
+    root = _copy(tree, tmp_path)
+    extra: list[str] = []
+    if problem == "wrong-domain":
+        extra, expect = ["dataset.domains=[ink,sketch]"], "domain folders ['sketch'] are missing"
+    elif problem == "empty-class":
+        (root / "ink" / "zebra").mkdir()
+        expect = f"class folder {root / 'ink' / 'zebra'} has no images"
+    elif problem == "nested":
+        (root / "neon" / "3" / "more").mkdir()
+        Image.new("RGB", (28, 28)).save(root / "neon" / "3" / "more" / "x.png")
+        expect = f"{root / 'neon' / '3' / 'more'} is a folder inside the class folder"
+    elif problem == "unreadable":
+        (root / "photo" / "7" / "broken.png").write_bytes(b"not a png")
+        expect = f"{root / 'photo' / '7' / 'broken.png'} is not a readable image"
+    elif problem == "too-few":
+        extra, expect = ["dataset.clients_per_domain=30"], "domain 'ink': 60 samples cannot give 30 clients"
+    else:
+        (root / "sketch").mkdir()
+        expect = f"domain folder {root / 'sketch'} has no class folders"
+    code, out = _cli("run", "dataset=imagefolder", f"dataset.root={root}", f"results_root={tmp_path}", *extra)
+    assert code == 2, out
+    assert expect in out, out
+    assert "SuperLink" not in out and not (tmp_path / "fedavg-my-digits-cnn-s0").exists()
+
+
+def test_a_torchvision_root_with_garbage_and_a_missing_root_fail_with_exit_2(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
+                 "test_batch", "batches.meta"):
+        (folder / name).write_bytes(b"garbage")
+    code, out = _cli("run", "dataset=cifar10", f"dataset.root={tmp_path}", f"results_root={tmp_path}")
+    assert code == 2 and "could not read cifar10" in out, out
+    code, out = _cli("run", "dataset=pacs", f"results_root={tmp_path}")
+    assert code == 2 and "pflower run dataset=pacs dataset.root=/path" in out, out
+
+
+# ---------------------------------------------------------------- command line
+def test_options_may_come_anywhere_and_help_lists_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ops.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.main(["run", "strategy=fdse", "--num-gpus", "0.25", "rounds=5"]) == 0
+    assert seen["args"].overrides == ["strategy=fdse", "rounds=5"] and seen["args"].num_gpus == 0.25
+    with pytest.raises(SystemExit):
+        cli.main(["run", "strategy=fdse", "--no-such-option"])
+    code, out = _cli("run", "--help")
+    assert code == 0
+    for name in ("fedbasis", "partialfed-adaptive", "imagefolder", "digits-domains", "fdse-alexnet",
+                 "overwrite=true", "train."):
+        assert name in out
+
+
+# ---------------------------------------------------------------- start-up and temp folders
+def test_a_superlink_that_fails_to_start_is_retried_once_then_named(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    from ops.launch import LaunchError, SuperLink
+
+    counter = tmp_path / "starts"
+    script = ("import pathlib, socket, sys, time\n"
+              "p = pathlib.Path(sys.argv[2]); n = int(p.read_text()) + 1 if p.exists() else 1\n"
+              "p.write_text(str(n))\n"
+              "if n == 1 or sys.argv[3] == 'always':\n"
+              "    print('SuperLink says: out of memory', flush=True); sys.exit(1)\n"
+              "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); time.sleep(60)\n")
+
+    def fake(mode: str):
+        return lambda self: [sys.executable, "-c", script, str(self.http_port), str(counter), mode]
+
+    monkeypatch.setattr(SuperLink, "command", fake("once"))
+    link = SuperLink(workdir=tmp_path / "a")
+    first_port = link.http_port
+    link.start(timeout=20)
+    assert counter.read_text() == "2" and link.http_port != first_port   # retried on fresh ports
+    link.stop()
+    counter.unlink()
+    monkeypatch.setattr(SuperLink, "command", fake("always"))
+    with pytest.raises(LaunchError) as err:
+        SuperLink(workdir=tmp_path / "b").start(timeout=20)
+    text = str(err.value)
+    assert "attempt 1" in text and "attempt 2" in text and "exited with code 1" in text
+    assert "SuperLink says: out of memory" in text and "failed twice" in text
+
+
+def test_temporary_folders_are_removed_keys_first_or_kept_when_asked(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from ops import launch
+
+    monkeypatch.setattr(launch.SuperLink, "start", lambda self, **kw: self)
+    monkeypatch.setattr(launch.SuperLink, "stop", lambda self: None)
+    with launch.simulation_superlink() as (link, home):
+        (link.workdir / "ca.key").write_text("secret")
+        work = link.workdir
+    assert not work.exists()
+    with launch.simulation_superlink(keep_in=tmp_path / "kept") as (link, home):
+        (link.workdir / "superlink.log").write_text("log")
+        work = link.workdir
+    assert not work.exists() and (tmp_path / "kept" / "superlink.log").read_text() == "log"
+    assert (tmp_path / "kept" / "flwr-home" / "config.toml").exists()
+
+
+# ---------------------------------------------------------------- plots and compare
+def test_accuracy_plot_draws_one_line_when_personalised_is_the_global_model() -> None:
+    same = [{"evaluate": {"accuracy_mean": 0.5, "accuracy_min": 0.4, "global_accuracy_mean": 0.5,
+                          "global_accuracy_min": 0.4}}]
+    assert accuracy_lines(same) == [("accuracy", "personalised = global model")]
+    differ = [{"evaluate": {**same[0]["evaluate"], "accuracy_mean": 0.6}}]
+    assert [k for k, _ in accuracy_lines(differ)] == ["accuracy", "global_accuracy"]
+    assert accuracy_lines([{"evaluate": {"accuracy_mean": 0.5, "accuracy_min": 0.4}}]) == \
+        [("accuracy", "personalised")]
+
+
+def test_compare_measures_r_acc_against_local_with_another_model(tmp_path: Path) -> None:
+    from ops.compare import compare_runs
+
+    def run(name: str, strategy: str, model: str, accs: list[float]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        s = {"strategy": strategy, "dataset": "digits-domains", "model": model, "seed": 0,
+             "accuracy_mean": float(np.mean(accs)), "accuracy_min": min(accs), "best_accuracy_mean": 0.0,
+             "clients": {str(i): {"accuracy": a} for i, a in enumerate(accs)}}
+        (d / "summary.json").write_text(json.dumps(s))
+        return d
+
+    local = run("local", "local", "cnn", [0.5, 0.8])
+    fdse = run("fdse", "fdse", "fdse-alexnet", [0.6, 0.6])
+    table = compare_runs([local, fdse])
+    row = next(line for line in table.splitlines() if line.startswith("| fdse"))
+    # R-Acc = mean((0.6-0.5)/0.5, (0.6-0.8)/0.8) = mean(0.2, -0.25) = -0.025; PTR = 1/2
+    assert row.split("|")[-3].strip() == "-0.0250" and row.split("|")[-2].strip() == "0.5000"
+
+
+# ---------------------------------------------------------------- end to end
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.e2e
+def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
+    """Cut the log stream (kill ``flwr run --stream``) at round 2 while the SuperLink goes
+    on: pflower follows the run to its end instead of stopping a healthy run."""
+    from conftest import pflower_popen
+
+    from ops.cli import process_tree
+
+    log = tmp_path / "log.txt"
+    proc = pflower_popen(["run", "rounds=6", f"results_root={tmp_path}", "run_name=cut"], log)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None and \
+                (not metrics.exists() or metrics.read_text().count("\n") < 2):
+            time.sleep(0.2)
+        streams = [p for p in process_tree(proc.pid)
+                   if " run " in _cmdline(p) and "--stream" in _cmdline(p) and "flwr" in _cmdline(p)]
+        assert streams, log.read_text()[-3000:]
+        for pid in streams:
+            import os
+            import signal
+
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "the log stream ended" in text and "following it" in text
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["rounds"] == 6 and summary["status"] == "completed"
+
+
+@pytest.mark.e2e
+def test_flwr_run_dot_runs_the_app_and_names_a_too_small_federation(tmp_path: Path) -> None:
+    """What every Flower user types first. 10 SuperNodes for 8 clients: the extra two stay
+    idle and the run completes; flwr's default federation (2 SuperNodes) fails at once with
+    the clients that have no node and the command that fixes it."""
+    import os
+
+    from conftest import REPO
+
+    from ops.cli import kill_tree
+
+    home = tmp_path / "flwr-home"
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "OMP_NUM_THREADS": "1"}
+    flwr = str(Path(sys.executable).parent / "flwr")
+
+    def flwr_run(name: str, *federation: str) -> str:
+        out = subprocess.run([flwr, "run", ".", "--stream", "--run-config",
+                              f"rounds=2 run-name='{name}' results-root='{tmp_path}'", *federation],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        return out.stdout + out.stderr
+
+    try:
+        text = flwr_run("ten", "--federation-config", "num-supernodes=10")
+        assert json.loads((tmp_path / "ten" / "summary.json").read_text())["clients_reported"] == 8, text[-3000:]
+        assert "idle SuperNodes (not clients of this dataset): 8, 9" in text
+        text = flwr_run("two")
+        assert "the federation has 2 SuperNodes but the dataset has 8 clients" in text, text[-3000:]
+        assert "clients 2, 3, 4, 5, 6, 7 have no SuperNode" in (tmp_path / "two" / "FAILED").read_text()
+    finally:   # the detached local SuperLink flwr started for this FLWR_HOME
+        for pid in [int(p.name) for p in Path("/proc").glob("[0-9]*") if str(home) in _cmdline(int(p.name))]:
+            kill_tree(pid)
