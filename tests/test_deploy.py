@@ -177,15 +177,16 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     assert sorted(p.name for p in (work / "certs").glob("supernode-*.pub")) == \
         [f"supernode-{i}.pub" for i in range(3)]
     for strategy in ("fedavg", "fedbn"):
-        runs = [p.name for p in results.iterdir() if p.name.startswith(strategy + "-")]
+        runs = [p.name for p in results.iterdir() if p.name.startswith(f"deploy-3-{strategy}-")]
         assert len(runs) == 1, runs
         _check_summary(_summary(results, runs[0]), 2)
         recs = _rounds(results, runs[0])
         assert [r["round"] for r in recs] == [1, 2]
         assert all(sorted(r["sampled"]) == ["0", "1", "2"] and not r["failed"] for r in recs)
-        # each SuperNode kept its state in its own node-config state-dir
+        # each SuperNode kept its state in its own node-config state-dir, under the results
+        # (client state is data: it outlives the deployment's temporary folder)
         for i in range(3):
-            assert list((work / "nodes" / str(i) / "state" / runs[0] / str(i)).glob("state-r*.npz"))
+            assert list((results / "supernode-state" / f"node-{i}" / runs[0] / str(i)).glob("state-r*.npz"))
     assert not _leftovers(work), "processes left behind"
 
 
@@ -229,6 +230,37 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     log = (tmp_path / "work" / "supernode-1.log").read_text().split("===== pflower: start #2")[1]
     assert "Receiving: train message" in log  # ... and it was the restarted SuperNode
     assert not _leftovers(tmp_path / "work")
+
+
+@pytest.mark.e2e
+def test_a_supernode_killed_for_good_is_one_missing_client_and_slows_one_round(tmp_path):
+    """Insecure deployment, FedAvg for 4 rounds; SuperNode 2 is killed after round 1 and
+    never comes back. The run completes on the other two, says it is partial with client 2
+    missing once (by its id, with a true reason), and the rounds after the kill are not
+    each held up by the 120 s wait for clients."""
+    results = tmp_path / "results"
+    with Deployment(3, "insecure", workdir=tmp_path / "work") as dep:
+        holder: dict[str, int] = {}
+        runner = threading.Thread(target=lambda: holder.setdefault(
+            "code", dep.run(_run_cfg("fedavg", "dead", results, rounds=4), timeout=900)))
+        runner.start()
+        deadline = time.monotonic() + 900
+        while not _rounds(results, "dead") and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.1)
+        assert _rounds(results, "dead"), "round 1 never finished:" + dep.logs()
+        dep.nodes[2].stop()
+        killed_at = _rounds(results, "dead")[0]["elapsed_s"]
+        runner.join(timeout=960)
+        assert holder.get("code") == 0, dep.logs()
+    s = _summary(results, "dead")
+    assert s["status"] == "partial" and (s["clients_expected"], s["clients_reported"]) == (3, 2)
+    assert list(s["clients_missing"]) == ["2"] and "2" not in s["clients"]
+    assert not any(k.startswith("node-") for k in s["client_failures"]), s["client_failures"]
+    recs = _rounds(results, "dead")
+    assert [r["round"] for r in recs] == [1, 2, 3, 4]
+    # three rounds after the kill, each with a train and (rounds 2, 4) an evaluation step:
+    # far less than one 120 s wait per step
+    assert recs[-1]["elapsed_s"] - killed_at < 200, [r["elapsed_s"] for r in recs]
 
 
 @pytest.mark.e2e
