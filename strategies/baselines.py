@@ -1,4 +1,4 @@
-"""Baseline strategies: Local, FedAvg(+FT), FedProx, FedBN, Ditto.
+"""Baseline strategies: Local, FedAvg(+FT), FedProx(+FT), FedBN, Ditto.
 
 Their server rules are all FedAvg over what the clients upload (or nothing, for Local);
 what differs lives on the client (``client/baselines.py``): FedBN's clients keep BN local,
@@ -32,6 +32,13 @@ class FedProx(PersonalizedStrategy):
     F_k(w) + mu/2 ||w - w^t||^2. With ``body_only`` clients upload only the body."""
 
     name: ClassVar[str] = "fedprox"
+
+
+class FedProxFT(PersonalizedStrategy):
+    """FedProx + fine-tuning: FedProx's training (FedAvg's server rule, proximal clients);
+    clients fine-tune the global model at evaluation, as FedAvg+FT."""
+
+    name: ClassVar[str] = "fedprox-ft"
 
 
 class FedBN(PersonalizedStrategy):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from learning.data import DatasetError, build_federated_data
 
@@ -116,3 +117,52 @@ def test_unknown_source_and_domain_transform():
         build_federated_data({**BASE, "source": "nope", "domains": ["original"]}, seed=0)
     with pytest.raises(DatasetError, match="unknown domain transform 'swirl'"):
         build_federated_data({**BASE, "source": "digits", "domains": ["swirl"]}, seed=0)
+
+
+# ---------------------------------------------------------------- real embedded digits
+def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
+    from learning.config import compose_config
+    from learning.data import _load_mnist5k, load_federated_data
+
+    x, y = _load_mnist5k()
+    assert x.shape == (5000, 1, 28, 28) and 0.0 <= float(x.min()) and float(x.max()) == 1.0
+    assert sorted(set(y.tolist())) == list(range(10)) and min(np.bincount(y)) > 400
+    cfg = compose_config({"dataset": "mnist5k-rotated"})
+    data = load_federated_data(cfg.dataset, 0)
+    assert len(data.clients) == 18 and data.input_shape == (1, 28, 28) and data.num_classes == 10
+    ids = np.concatenate([np.concatenate([c.train_ids, c.val_ids, c.test_ids]) for c in data.clients.values()])
+    assert len(ids) == 18 * 256 and len(set(ids.tolist())) == len(ids)   # no image at two angles
+    for c in data.clients.values():
+        assert (len(c.train), len(c.val), len(c.test)) == (128, 64, 64)
+    # client "9" holds images rotated by 180 degrees: its first training image, turned back,
+    # is the source MNIST image
+    c9 = data.clients["9"]
+    assert c9.domain == "rotate-180"
+    img, label = c9.train[0]
+    src = x[int(c9.train_ids[0])]
+    back = torch.rot90(img * 0.5 + 0.5, 2, dims=(1, 2))
+    assert int(label) == int(y[int(c9.train_ids[0])])
+    assert float((back - src).abs().mean()) < 0.02
+
+
+def test_digit_sources_are_four_real_sources_with_disjoint_mnist():
+    from learning.config import compose_config
+    from learning.data import load_federated_data
+
+    cfg = compose_config({"dataset": "digits-sources"})
+    data = load_federated_data(cfg.dataset, 0)
+    assert data.input_shape == (3, 28, 28) and data.num_classes == 10
+    domains = [c.domain for c in data.clients.values()]
+    assert domains == ["mnist"] * 3 + ["uci-digits"] * 3 + ["mnist-m"] * 3 + ["colour"] * 3
+    assert sorted(c.domain for c in data.new_clients.values()) == ["colour", "mnist", "mnist-m", "uci-digits"]
+    every = [*data.clients.values(), *data.new_clients.values()]
+    ids = np.concatenate([np.concatenate([c.train_ids, c.val_ids, c.test_ids]) for c in every])
+    assert len(set(ids.tolist())) == len(ids)          # no image in two clients or two domains
+    def first(domain: str) -> torch.Tensor:
+        c = next(c for c in data.clients.values() if c.domain == domain)
+        return torch.stack([c.train[i][0] for i in range(32)]) * 0.5 + 0.5
+    mnist, uci, mnist_m, colour = (first(d) for d in ("mnist", "uci-digits", "mnist-m", "colour"))
+    assert torch.equal(mnist[:, 0], mnist[:, 1])          # grey sources are grey
+    assert not torch.equal(mnist_m[:, 0], mnist_m[:, 1])  # blended with colour photographs
+    assert float((mnist == 0).float().mean()) > 0.5 > float((uci == 0).float().mean())  # another scanner
+    assert float(colour.std(dim=(2, 3)).mean()) > 0.05
