@@ -10,7 +10,8 @@ the propagated parameters computed by the server (``strategies/fedora.py``), and
 1. measures the selective weight on its validation split,
    ``lambda_k = max(eps, L_val(theta_k) - L_val(theta_hat_k))`` (paper; the authors'
    code: ``0`` if the difference is negative, else ``exp(diff / 2)``), see
-   :func:`strategies.fedora_math.selective_lambda`;
+   :func:`strategies.fedora_math.selective_lambda`, bounded by ``strategy.lambda_max``
+   (ours, default ``1 / (2 lr)``: an unbounded lambda makes the penalty step unstable);
 2. trains ``theta_k`` on ``L_train(theta_k) + lambda_k ||theta_k - theta_hat_k||^2``
    (sum over all trainable parameters) for ``train.local_epochs`` epochs;
 3. uploads ``theta_k`` (all tensors) and keeps it.
@@ -32,6 +33,7 @@ also fine-tunes a copy of ``theta_hat`` each round and discards it, which is ski
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -94,7 +96,20 @@ class FEDORATrainer(ClientTrainer):
         own_loss = evaluate(own, rnd.data.val, rnd.device)["loss"]
         hat_loss = evaluate(hat, rnd.data.val, rnd.device)["loss"]
         lam = selective_lambda(own_loss, hat_loss, self.options.eps, self.options.lambda_form)
-        return lam, own_loss, hat_loss
+        return min(lam, self.lambda_bound(rnd)), own_loss, hat_loss
+
+    def lambda_bound(self, rnd: ClientRound) -> float:
+        """``strategy.lambda_max``: ``auto`` = 1 / (2 lr) of this round, so that the gradient
+        step of lambda ||theta - theta_hat||^2, 2 lr lambda (theta - theta_hat), never steps
+        past theta_hat. Unbounded, lambda = max(eps, L_own - L_hat) grows with a client's own
+        validation loss; above (1 + momentum) / (2 lr) heavy-ball SGD on the penalty is
+        unstable and the client diverges (issue 13: lambda 40-57 at lr 0.05)."""
+        bound = self.options.lambda_max
+        if bound is None:
+            return math.inf
+        if bound == "auto":
+            return 1.0 / (2.0 * self.optim(rnd).lr)
+        return float(bound)
 
     # ---------------------------------------------------------------- round steps
     def start_model(self, work: LocalRound) -> nn.Module:

@@ -227,9 +227,14 @@ class ClientTrainer:
         if self.finetunes:
             glob = references.get("global_")
             base = glob if glob is not None else self.personal_model(rnd, payload, state)
-            out.update(finetune_and_evaluate(base, rnd, final=bool(rnd.config.get("final", False))))
-            out["accuracy"], out["val_accuracy"] = out["ft_accuracy"], out["ft_val_accuracy"]
-            out["loss"] = out["ft_loss"]
+            if finetunes_this_round(rnd):
+                out.update(finetune_and_evaluate(base, rnd, final=bool(rnd.config.get("final", False))))
+                out["accuracy"], out["val_accuracy"] = out["ft_accuracy"], out["ft_val_accuracy"]
+                out["loss"] = out["ft_loss"]
+                out[FINETUNED] = 1.0
+            else:   # the model before fine-tuning, flagged so: never a best-round candidate
+                out.update(_prefixed_eval(base, rnd, ""))
+                out[FINETUNED] = 0.0
         else:
             out.update(_prefixed_eval(self.personal_model(rnd, payload, state), rnd, ""))
         return out
@@ -317,6 +322,16 @@ def finetune_trainable(model: nn.Module, part: str) -> Callable[[str], bool]:
     if part == "body":
         return lambda n: n not in head
     return lambda n: True
+
+
+FINETUNED = "finetuned"   # eval metric: 1 when this evaluation fine-tuned (FT methods)
+
+
+def finetunes_this_round(rnd: ClientRound) -> bool:
+    """Fine-tuning is the costly part of an evaluation (5 epochs per client): do it at the
+    final evaluation, and every ``finetune.every`` rounds when asked."""
+    every = int(rnd.cfg.finetune.get("every", 0))
+    return bool(rnd.config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
 
 
 def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = False) -> dict[str, float]:

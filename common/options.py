@@ -119,8 +119,13 @@ class FEDORAOptions(MethodOptions):
     basis_labels: bool
     lambda_form: str
     eps: float
+    lambda_max: float | str | None
 
     def __post_init__(self) -> None:
+        _check(self.lambda_max is None or self.lambda_max == "auto"
+               or (isinstance(self.lambda_max, int | float) and not isinstance(self.lambda_max, bool)
+                   and math.isfinite(self.lambda_max) and self.lambda_max > 0),
+               f"strategy.lambda_max must be auto, a number > 0 or null (unbounded), got {self.lambda_max!r}")
         _finite("alpha", self.alpha, 0.0, strict=True)
         _one_of("similarity", self.similarity, ("paper", "code"))
         _check(self.top_k is None or self.top_k >= 1, f"strategy.top_k must be >= 1 or null, got {self.top_k}")
@@ -207,7 +212,14 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     """Convert a YAML value to the field's type (``int | None`` accepts null)."""
     if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
         args = [a for a in typing.get_args(typ) if a is not type(None)]
-        return None if value is None else _coerce(name, value, args[0])
+        if value is None:
+            return None
+        for arg in args[:-1]:   # the first member that takes the value (float | str: 2.5, auto)
+            try:
+                return _coerce(name, value, arg)
+            except OptionsError:
+                continue
+        return _coerce(name, value, args[-1])
     try:
         if typ is bool:
             if isinstance(value, str):

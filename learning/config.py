@@ -201,6 +201,7 @@ def validate_config(cfg: DictConfig) -> None:
     check("train.lr", float, lambda v: v > 0, "> 0")
     check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
     check("train.batch_size", int, lambda v: v >= 1, ">= 1")
+    check("finetune.every", int, lambda v: v >= 0, ">= 0 (0 = fine-tune at the final evaluation only)")
     if str(cfg.finetune.part) not in ("full", "head", "body"):
         problems.append(f"finetune.part must be full, head or body, got {cfg.finetune.part!r}")
     # (whether the resume folder and its checkpoint exist is checked where the server runs:

@@ -184,7 +184,7 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
     if not evals:
         raise RuntimeError("no evaluation round completed; nothing to summarise")
     last = evals[-1]
-    best = max(evals, key=lambda r: r["evaluate"].get("val_accuracy_mean", -1.0))
+    best = max(best_round_candidates(evals), key=lambda r: r["evaluate"].get("val_accuracy_mean", -1.0))
     per_client = last["clients"]
     summary: dict[str, Any] = {
         "status": status,
@@ -235,6 +235,14 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
         summary["bytes_up_per_client_round"] = float(np.mean(per_client_up)) if per_client_up else 0.0
     summary["elapsed_s"] = rounds[-1].get("elapsed_s")
     return summary
+
+
+def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rounds the best round may be chosen from: for fine-tuning methods only evaluations
+    that fine-tuned (the others measured the global model before fine-tuning, a different
+    protocol), for every other method all evaluated rounds."""
+    tuned = [r for r in evals if r["evaluate"].get("finetuned_mean") == 1.0]
+    return tuned or evals
 
 
 def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],

@@ -23,3 +23,26 @@ def test_fedprox_ft_trains_proximally_and_fine_tunes_at_evaluation(tmp_path: Pat
     for cid, m in both["clients"].items():
         assert 0.0 <= m["ft_accuracy"] <= 1.0 and "ft_accuracy" in ft["clients"][cid]
         assert "ft_accuracy" not in prox["clients"][cid]
+
+
+def _rounds(tmp_path: Path, name: str, every: int) -> list[dict]:
+    run = f"{name}-every{every}"
+    _federate(_run_config(name, [f"finetune.every={every}", "eval_every=1"], tmp_path, run, rounds=3), 1)
+    return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.usefixtures("flower_task")
+@pytest.mark.parametrize("name", ["fedavg-ft", "fedbabu"])
+def test_fine_tuning_only_at_the_final_evaluation_gives_the_same_final_result(tmp_path: Path, name: str) -> None:
+    """Fine-tuning evaluates, it never trains the federation: fine-tuning at every round or
+    only at the last gives bit-identical final numbers, and the rounds that did not
+    fine-tune are flagged and never chosen as the best round."""
+    from server.results import best_round_candidates
+
+    every, final = _rounds(tmp_path, name, 1), _rounds(tmp_path, name, 0)
+    assert every[-1]["clients"] == final[-1]["clients"]
+    assert [r["evaluate"]["finetuned_mean"] for r in final] == [0.0, 0.0, 1.0]
+    assert [r["evaluate"]["finetuned_mean"] for r in every] == [1.0, 1.0, 1.0]
+    assert "ft_accuracy_mean" not in final[0]["evaluate"] and "ft_accuracy_mean" in final[-1]["evaluate"]
+    assert [r["round"] for r in best_round_candidates(final)] == [3]
+    assert [r["round"] for r in best_round_candidates(every)] == [1, 2, 3]

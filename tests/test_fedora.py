@@ -489,3 +489,37 @@ def test_compare_r_acc_and_ptr_against_local(tmp_path):
     assert f"{want_r:.4f} ±" in row and f"{want_p:.4f} ±" in row
     local_row = next(line for line in table.splitlines() if line.startswith("| local"))
     assert "0.0000 ± 0.0000" in local_row
+
+
+def test_an_unbounded_lambda_diverges_and_the_bound_keeps_the_client_stable():
+    """Issue 13's divergence, reproduced: lambda = 50 (the eps floor stands in for a client
+    whose own validation loss blew up) at lr 0.05 with momentum 0.9. Unbounded, the penalty's
+    step 2 lr lambda = 5 > 2 (1 + momentum) overshoots theta_hat further every step and the
+    model runs away; with ``lambda_max=auto`` (1 / (2 lr) = 10) it contracts towards theta_hat."""
+    dist = {}
+    for bound in ("null", "auto"):
+        cfg = _cfg("strategy.eps=50.0", f"strategy.lambda_max={bound}", "train.lr=0.05",
+                   "train.momentum=0.9", "train.local_epochs=3")
+        rnd = _round(cfg)
+        own, hat = _model(cfg, 1), _model(cfg, 3)
+        state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
+        payload = get_arrays(hat)
+        result = FEDORATrainer(cfg).fit(rnd, payload, state)
+        up = result.upload
+        dist[bound] = math.sqrt(sum(float(np.sum((up[k].astype(np.float64) - payload[k]) ** 2))
+                                    for k in payload))
+        assert result.metrics["lambda"] == (50.0 if bound == "null" else 10.0)
+    start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2))
+                          for k in payload))
+    assert not math.isfinite(dist["null"]) or dist["null"] > 10 * start    # ran away (x32 here)
+    assert dist["auto"] < 0.8 * start                                        # pulled in
+
+
+def test_lambda_max_option_is_checked():
+    from common.options import FEDORAOptions
+
+    base = dict(compose_config({"strategy": "fedora"}).strategy)
+    for bad in (0, -1.0, "big", float("nan")):
+        with pytest.raises(ValueError, match="lambda_max must be auto"):
+            FEDORAOptions(**{**base, "lambda_max": bad})
+    assert FEDORAOptions(**{**base, "lambda_max": 2.5}).lambda_max == 2.5
