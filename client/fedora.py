@@ -18,8 +18,9 @@ the propagated parameters computed by the server (``strategies/fedora.py``), and
 
 Once, when the server asks for it (train config ``fedora-need-basis`` lists the client),
 it also uploads an orthonormal rank-p basis of its training inputs
-(:func:`strategies.fedora_math.data_subspace_basis`; flattened inputs, optionally with
-one-hot labels appended as in the authors' code). The basis is computed once and cached
+(:func:`strategies.fedora_math.data_subspace_basis`; flattened inputs in [0, 1] as the
+authors' code (``strategy.basis_inputs=normalised`` for the model's [-1, 1] inputs),
+optionally with one-hot labels appended as in the code). The basis is computed once and cached
 in the private state; it is the only thing derived from the data that leaves the client.
 
 Differences from the authors' code (by design; the paper is followed): the penalty is
@@ -76,6 +77,8 @@ class FEDORATrainer(ClientTrainer):
             return np.asarray(state[BASIS_STATE])
         xs, ys = [], []
         for x, y in DataLoader(rnd.data.train, batch_size=512, shuffle=False):
+            if self.options.basis_inputs == "unit":   # undo learning.data's (x - 0.5) / 0.5
+                x = x * 0.5 + 0.5
             xs.append(x.reshape(len(x), -1).numpy())
             ys.append(y.numpy())
         if not xs:

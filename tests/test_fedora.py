@@ -201,6 +201,7 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
 
     data = load_federated_data(cfg.dataset, 0).client("2")
     x, _ = _stack(data.train)
+    x = x * 0.5 + 0.5   # basis_inputs=unit: the images in [0, 1], as the authors' code
     first, second = replies
     assert set(first.array_records) == {ARRAYS_KEY, BASIS_RECORD}
     assert set(second.array_records) == {ARRAYS_KEY}          # sent once
@@ -523,3 +524,17 @@ def test_lambda_max_option_is_checked():
         with pytest.raises(ValueError, match="lambda_max must be auto"):
             FEDORAOptions(**{**base, "lambda_max": bad})
     assert FEDORAOptions(**{**base, "lambda_max": 2.5}).lambda_max == 2.5
+
+
+@pytest.mark.parametrize(("inputs", "shift"), [("unit", True), ("normalised", False)])
+def test_basis_inputs_option(inputs, shift):
+    """The basis is the top right singular vector of the training inputs in [0, 1] (the
+    code's) or of the model's normalised inputs, computed independently here."""
+    cfg = _cfg(f"strategy.basis_inputs={inputs}")
+    rnd = _round(cfg, cid="1")
+    x, _ = _stack(rnd.data.train)
+    if shift:
+        x = x * 0.5 + 0.5
+    u = FEDORATrainer(cfg).basis(rnd, {})[:, 0]
+    v = np.linalg.svd(x, full_matrices=False)[2][0]
+    assert abs(float(u @ v)) == pytest.approx(1.0, abs=1e-5)
