@@ -26,7 +26,8 @@ in the private state; it is the only thing derived from the data that leaves the
 Differences from the authors' code (by design; the paper is followed): the penalty is
 ``lambda ||.||^2`` inside the loss and goes through the optimiser (momentum, weight
 decay), whereas the code applies a separate step ``w -= lr * lam * (w - w_hat)`` after
-each SGD step (the gradient of ``lam/2 ||.||^2``, outside momentum); the validation loss
+each SGD step (the gradient of ``lam/2 ||.||^2``, outside momentum;
+``strategy.penalty=decoupled``); the validation loss
 is the per-sample mean (the code sums per-batch means, which is the same number when the
 validation split fits in one batch, as in its 64-sample Rotated-MNIST setting); the code
 also fine-tunes a copy of ``theta_hat`` each round and discards it, which is skipped.
@@ -35,9 +36,11 @@ also fine-tunes a copy of ``theta_hat`` each round and discards it, which is ski
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -46,7 +49,7 @@ from client.trainer import ClientRound, ClientTrainer, LocalRound
 from common.options import FEDORAOptions
 from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays, set_arrays
-from learning.training import LossTerm, evaluate
+from learning.training import LossTerm, decoupled_proximal_step, evaluate
 from strategies.fedora_math import data_subspace_basis, selective_lambda
 
 BASIS_STATE = "fedora/basis"
@@ -121,8 +124,21 @@ class FEDORATrainer(ClientTrainer):
 
     def loss_terms(self, work: LocalRound) -> list[LossTerm]:
         lam = work.scratch["lambda"]
+        if self.options.penalty != "loss" or lam <= 0:
+            return []
         # lambda ||theta - theta_hat||^2 == proximal term with mu = 2 lambda (mu/2 ||.||^2)
-        return [proximal_to(work.model, work.payload, 2.0 * lam)] if lam > 0 else []
+        return [proximal_to(work.model, work.payload, 2.0 * lam)]
+
+    def after_step(self, work: LocalRound) -> Callable[[nn.Module], None] | None:
+        """``penalty=decoupled`` (the authors' code): after each SGD step,
+        ``theta <- theta - lr * lambda * (theta - theta_hat)``, outside momentum."""
+        lam = work.scratch["lambda"]
+        if self.options.penalty != "decoupled" or lam <= 0:
+            return None
+        params = dict(work.model.named_parameters())
+        target = {k: torch.as_tensor(v) for k, v in work.payload.items() if k in params}
+        lr = self.optim(work.rnd).lr
+        return lambda model: decoupled_proximal_step(model, target, lr, lam)
 
     def train(self, work: LocalRound) -> dict[str, float]:
         hat = self.reference_models(work.rnd, work.payload)["propagated_"].to(work.rnd.device)

@@ -193,8 +193,14 @@ class ClientTrainer:
         rnd = work.rnd
         terms = LossTerms(self.loss_terms(work))
         metrics = train_epochs(work.model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
-                               trainable=self.trainable(work.model), extra_loss=terms or None)
+                               trainable=self.trainable(work.model), extra_loss=terms or None,
+                               after_step=self.after_step(work))
         return {**metrics, **terms.metrics()}
+
+    def after_step(self, work: LocalRound) -> Callable[[nn.Module], None] | None:
+        """An update applied after every optimiser step, outside the optimiser (none by
+        default; FEDORA's decoupled penalty)."""
+        return None
 
     def upload(self, work: LocalRound) -> tuple[NDArrays, dict[str, NDArrays]]:
         """Step 3: the arrays sent back (shared and personal keys) and extra records."""

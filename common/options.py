@@ -121,9 +121,11 @@ class FEDORAOptions(MethodOptions):
     eps: float
     lambda_max: float | str | None
     basis_inputs: str
+    penalty: str
 
     def __post_init__(self) -> None:
         _one_of("basis_inputs", self.basis_inputs, ("unit", "normalised"))
+        _one_of("penalty", self.penalty, ("loss", "decoupled"))
         _check(self.lambda_max is None or self.lambda_max == "auto"
                or (isinstance(self.lambda_max, int | float) and not isinstance(self.lambda_max, bool)
                    and math.isfinite(self.lambda_max) and self.lambda_max > 0),

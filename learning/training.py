@@ -123,6 +123,18 @@ def make_optimizer(params: Iterable[nn.Parameter], opt: OptimConfig) -> torch.op
     raise ValueError(f"unknown optimizer {opt.optimizer!r}; valid: sgd, adam")
 
 
+def decoupled_proximal_step(model: nn.Module, reference: dict[str, torch.Tensor], lr: float,
+                            lam: float) -> None:
+    """``w <- w - lr * lam * (w - w_ref)`` for every parameter in ``reference``, in place:
+    the pull towards ``w_ref`` applied as its own step after the optimiser's (so momentum
+    and weight decay never see it), as FEDORA's authors' code does."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, ref in reference.items():
+            p = params[name]
+            p.sub_(lr * lam * (p - ref.to(device=p.device, dtype=p.dtype)))
+
+
 def train_epochs(
     model: nn.Module,
     train_set: Dataset,
@@ -132,12 +144,15 @@ def train_epochs(
     trainable: Callable[[str], bool] | None = None,
     extra_loss: ExtraLoss | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    after_step: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, float]:
     """Train ``model`` in place for ``opt.epochs`` epochs on ``train_set``.
 
     ``trainable(name)`` selects the parameters given to the optimiser (the others get
     ``requires_grad=False`` for the duration and are restored afterwards).
     ``extra_loss(model, x, y, logits)`` is added to the cross-entropy loss.
+    ``after_step(model)`` runs (without autograd) after every optimiser step: an update
+    outside the optimiser, e.g. a decoupled proximal step.
     Returns the mean training loss and accuracy over the last epoch and the step count.
     """
     model.to(device).train()
@@ -173,6 +188,9 @@ def train_epochs(
                     nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opt.clip)
                 scaler.step(optimizer)
                 scaler.update()
+                if after_step is not None:
+                    with torch.no_grad():
+                        after_step(model)
                 steps += 1
                 total += len(y)
                 correct += int((logits.argmax(1) == y).sum())

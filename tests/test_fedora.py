@@ -538,3 +538,32 @@ def test_basis_inputs_option(inputs, shift):
     u = FEDORATrainer(cfg).basis(rnd, {})[:, 0]
     v = np.linalg.svd(x, full_matrices=False)[2][0]
     assert abs(float(u @ v)) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_decoupled_proximal_step_is_the_codes_update():
+    from learning.training import decoupled_proximal_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref = {"weight": torch.randn(2, 3)}                    # the bias has no reference: untouched
+    decoupled_proximal_step(model, ref, lr=0.1, lam=2.0)
+    expected = before["weight"] - 0.1 * 2.0 * (before["weight"] - ref["weight"])
+    torch.testing.assert_close(model.weight.detach(), expected)
+    torch.testing.assert_close(model.bias.detach(), before["bias"])
+
+
+def test_decoupled_penalty_pulls_towards_theta_hat_outside_the_optimiser():
+    dist = {}
+    for eps in (1e-8, 5.0):
+        cfg = _cfg("strategy.penalty=decoupled", f"strategy.eps={eps}", "train.lr=0.05",
+                   "train.momentum=0.9", "train.local_epochs=3")
+        rnd = _round(cfg)
+        own, hat = _model(cfg, 1), _model(cfg, 3)
+        state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
+        payload = get_arrays(hat)
+        trainer = FEDORATrainer(cfg)
+        result = trainer.fit(rnd, payload, state)
+        dist[eps] = math.sqrt(sum(float(np.sum((result.upload[k] - payload[k]) ** 2)) for k in payload))
+    start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2)) for k in payload))
+    assert dist[5.0] < 0.5 * start < dist[1e-8]
