@@ -70,12 +70,14 @@ class DittoOptions(MethodOptions):
 
 @dataclasses.dataclass(frozen=True)
 class FedBABUOptions(MethodOptions):
-    """FedBABU: how the fixed head is initialised."""
+    """FedBABU: how the fixed head is initialised (and the orthogonal init's gain)."""
 
     head_init: str
+    head_gain: float
 
     def __post_init__(self) -> None:
         _one_of("head_init", self.head_init, ("orthogonal", "default"))
+        _finite("head_gain", self.head_gain, 0.0, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -359,6 +359,32 @@ def _imagefolder_domains(
     return pools, classes
 
 
+class CropFlip(Dataset):
+    """Training augmentation of the CIFAR papers (FedBABU's code): a random 32x32-style crop
+    of the image zero-padded by ``pad`` pixels, and a horizontal flip with probability 1/2,
+    drawn anew every time an item is read (torch's global RNG, seeded per round by the
+    training loop's caller)."""
+
+    def __init__(self, base: Dataset, pad: int = 4) -> None:
+        self.base, self.pad = base, int(pad)
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        x, y = self.base[i]
+        h, w = x.shape[-2:]
+        padded = torch.nn.functional.pad(x, (self.pad,) * 4)
+        top, left = (int(v) for v in torch.randint(0, 2 * self.pad + 1, (2,)))
+        x = padded[..., top:top + h, left:left + w]
+        if bool(torch.rand(()) < 0.5):
+            x = torch.flip(x, dims=[-1])
+        return x, y
+
+
+AUGMENTS = ("none", "crop-flip")
+
+
 # --------------------------------------------------------------------------- building
 
 
@@ -458,6 +484,9 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
             pools.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
             global_ids.append(np.asarray(idx) + (d * len(y) if share else 0))
 
+    augment = str(cfg.get("augment", "none"))
+    if augment not in AUGMENTS:
+        raise DatasetError(f"unknown dataset.augment {augment!r}; valid: {', '.join(AUGMENTS)}")
     big, factor = _imbalance(cfg, len(domains) * per_domain)
     clients: dict[str, ClientSplit] = {}
     new_clients: dict[str, ClientSplit] = {}
@@ -485,10 +514,11 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
                 target = new_clients
             weights = (np.bincount(labels[tr], minlength=num_classes) / max(len(tr), 1)
                        if split == "pflbed" else None)
+            train: Dataset = Subset(pool, tr.tolist())
             target[cid] = ClientSplit(
                 client_id=cid,
                 domain=name,
-                train=Subset(pool, tr.tolist()),
+                train=CropFlip(train) if augment == "crop-flip" else train,
                 val=Subset(pool, va.tolist()),
                 test=Subset(pool, te.tolist()),
                 train_ids=global_ids[d][tr],

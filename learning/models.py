@@ -46,12 +46,14 @@ class SmallCNN(nn.Module):
 class CNN4(nn.Module):
     """FedBABU's 4-conv CNN: four conv3x3-BN-ReLU-maxpool blocks, linear head."""
 
-    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int = 64) -> None:
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int = 64,
+                 bn_running_stats: bool = True) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c, size = in_channels, image_size
         for _ in range(4):
-            layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(c, width, 3, padding=1),
+                       nn.BatchNorm2d(width, track_running_stats=bn_running_stats), nn.ReLU(inplace=True)]
             if size >= 2:
                 layers.append(nn.MaxPool2d(2))
                 size //= 2
@@ -71,19 +73,21 @@ class MobileNetCIFAR(nn.Module):
     )
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
-                 width_mult: float = 1.0) -> None:
+                 width_mult: float = 1.0, bn_running_stats: bool = True) -> None:
         super().__init__()
         c0 = int(32 * width_mult)
         layers: list[nn.Module] = [nn.Conv2d(in_channels, c0, 3, padding=1, bias=False),
-                                   nn.BatchNorm2d(c0), nn.ReLU(inplace=True)]
+                                   nn.BatchNorm2d(c0, track_running_stats=bn_running_stats),
+                                   nn.ReLU(inplace=True)]
         c = c0
         for item in self.CFG:
             out, stride = (item if isinstance(item, tuple) else (item, 1))
             out = int(out * width_mult)
             layers += [
                 nn.Conv2d(c, c, 3, stride=stride, padding=1, groups=c, bias=False),
-                nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-                nn.Conv2d(c, out, 1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True),
+                nn.BatchNorm2d(c, track_running_stats=bn_running_stats), nn.ReLU(inplace=True),
+                nn.Conv2d(c, out, 1, bias=False),
+                nn.BatchNorm2d(out, track_running_stats=bn_running_stats), nn.ReLU(inplace=True),
             ]
             c = out
         self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
@@ -156,9 +160,11 @@ def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
     if name == "cnn":
         return SmallCNN(c, num_classes, h, int(model_cfg.get("width", 32)), int(model_cfg.get("hidden", 128)))
     if name == "cnn4":
-        return CNN4(c, num_classes, h, int(model_cfg.get("width", 64)))
+        return CNN4(c, num_classes, h, int(model_cfg.get("width", 64)),
+                    bool(model_cfg.get("bn_running_stats", True)))
     if name == "mobilenet":
-        return MobileNetCIFAR(c, num_classes, h, float(model_cfg.get("width_mult", 1.0)))
+        return MobileNetCIFAR(c, num_classes, h, float(model_cfg.get("width_mult", 1.0)),
+                              bool(model_cfg.get("bn_running_stats", True)))
     if name == "alexnet-bn":
         return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)))
     if name == "resnet18":

@@ -52,7 +52,8 @@ class FedBABU(PersonalizedStrategy):
         mode = self.opts.head_init if isinstance(self.opts, FedBABUOptions) else "orthogonal"
         self.head_init = mode
         _, head0 = split_head(self.global_arrays, self.head_keys)
-        self.head: NDArrays = init_head(head0, seed, mode)
+        gain = self.opts.head_gain if isinstance(self.opts, FedBABUOptions) else 1.0
+        self.head: NDArrays = init_head(head0, seed, mode, gain)
         self.global_arrays.update(self.head)
         self.head_sha = head_digest(self.head)
         self.train_config[HEAD_DIGEST_KEY] = self.head_sha

@@ -23,11 +23,12 @@ from learning.params import NDArrays, weighted_mean
 HEAD_INITS = ("orthogonal", "default")
 
 
-def init_head(head: Mapping[str, np.ndarray], seed: int, mode: str = "orthogonal") -> NDArrays:
+def init_head(head: Mapping[str, np.ndarray], seed: int, mode: str = "orthogonal",
+              gain: float = 1.0) -> NDArrays:
     """The head theta_cls^0, a deterministic function of (seed, shapes, mode).
 
     ``orthogonal`` (the paper, Sec. 5.1 / App. B): the weight matrix W (C x d) gets
-    ``torch.nn.init.orthogonal_`` (rows orthonormal when C <= d, gain 1) drawn from a
+    ``torch.nn.init.orthogonal_`` (rows orthonormal when C <= d, times ``gain``) drawn from a
     generator seeded with ``seed``; the bias is zero. ``default``: keep ``head`` as given
     (the seeded PyTorch default init of ``nn.Linear``, which the authors' federated code
     used). Keys are those of ``head`` (the ``*.weight`` 2-d key and an optional 1-d bias).
@@ -42,7 +43,7 @@ def init_head(head: Mapping[str, np.ndarray], seed: int, mode: str = "orthogonal
         raise ValueError(f"the head must have exactly one 2-d weight matrix, got keys {sorted(out)}")
     gen = torch.Generator().manual_seed(int(seed))
     w = torch.empty(out[weights[0]].shape, dtype=torch.float32)
-    torch.nn.init.orthogonal_(w, gain=1.0, generator=gen)
+    torch.nn.init.orthogonal_(w, gain=float(gain), generator=gen)
     out[weights[0]] = w.numpy().astype(out[weights[0]].dtype)
     for k, v in out.items():
         if np.ndim(v) == 1:

@@ -295,3 +295,63 @@ def test_end_to_end_pflower_run(tmp_path):
     assert all(v == summary["body_bytes"] for u in up for v in u.values())
     assert all(v == summary["body_bytes"] + summary["head_bytes"] for v in down[0].values())
     assert all(v == summary["body_bytes"] for v in down[1].values())  # head sent once
+
+
+# ---------------------------------------------------------------- the authors' settings (issue 13)
+def test_fedbabu_models_normalise_with_batch_statistics():
+    """cnn4 and mobilenet default to BN without running statistics (track_running_stats=False,
+    as the authors): no running_mean/var in the state, and eval mode uses the batch's
+    statistics (a batch scaled by 2 gives the same output: each BN divides the scale out)."""
+    from learning.config import compose_config
+    from learning.models import build_model
+
+    for name in ("cnn4", "mobilenet"):
+        cfg = compose_config({"model": name})
+        model = build_model(cfg.model, (3, 32, 32), 10).eval()
+        assert not any("running" in k or "num_batches" in k for k in model.state_dict()), name
+        x = torch.randn(8, 3, 32, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), model(2.0 * x), atol=1e-3, rtol=1e-3)
+    with_stats = build_model(compose_config({"model": "cnn4"}, ["model.bn_running_stats=true"]).model,
+                             (3, 32, 32), 10)
+    assert any("running_mean" in k for k in with_stats.state_dict())
+
+
+def test_orthogonal_head_gain_option():
+    from strategies.fedbabu_math import init_head
+
+    head = {"head.weight": np.zeros((10, 64), np.float32), "head.bias": np.ones(10, np.float32)}
+    one = init_head(head, seed=3)["head.weight"]
+    two = init_head(head, seed=3, gain=2 ** 0.5)["head.weight"]
+    np.testing.assert_allclose(one @ one.T, np.eye(10), atol=1e-5)      # orthonormal rows
+    np.testing.assert_allclose(two, one * 2 ** 0.5, rtol=1e-5)           # same draw, scaled
+
+
+def test_cifar_configs_use_the_authors_training_settings():
+    from learning.config import compose_config
+
+    for tau in ("tau1", "tau4", "tau10"):
+        cfg = compose_config({"experiment": f"fedbabu-cifar100-{tau}"}, ["dataset.root=/tmp"])
+        assert cfg.train.weight_decay == 0.0 and cfg.dataset.augment == "crop-flip"
+
+
+def test_crop_flip_augmentation_crops_and_flips_the_image():
+    from torch.utils.data import TensorDataset
+
+    from learning.data import CropFlip
+
+    img = torch.arange(3 * 8 * 8, dtype=torch.float32).reshape(1, 3, 8, 8) + 1
+    aug = CropFlip(TensorDataset(img, torch.tensor([7])), pad=2)
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(60):
+        x, y = aug[0]
+        assert x.shape == (3, 8, 8) and int(y) == 7
+        # every output is a shifted (and possibly mirrored) window of the zero-padded image
+        padded = torch.nn.functional.pad(img[0], (2, 2, 2, 2))
+        found = [(t, l, f) for t in range(5) for l in range(5) for f in (False, True)
+                 if torch.equal(x, torch.flip(padded[:, t:t + 8, l:l + 8], [-1]) if f
+                                else padded[:, t:t + 8, l:l + 8])]
+        assert found
+        seen.add(found[0])
+    assert len(seen) > 10 and {f for _, _, f in seen} == {False, True}
