@@ -222,6 +222,7 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
         if "domain" in client_info.get(cid, {}):
             entry["domain"] = client_info[cid]["domain"]
         summary["clients"][cid] = entry
+    summary.update(pooled_accuracy(per_client))
     summary.update(client_coverage(rounds, last, client_info))
     if summary["clients_missing"]:
         summary["status"] = f"{status}-partial" if status != "completed" else "partial"
@@ -235,6 +236,16 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
         summary["bytes_up_per_client_round"] = float(np.mean(per_client_up)) if per_client_up else 0.0
     summary["elapsed_s"] = rounds[-1].get("elapsed_s")
     return summary
+
+
+def pooled_accuracy(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """FDSE's "ALL" beside the mean over clients ("AVG"): the accuracy over the pooled test
+    samples of every client, sum_k acc_k n_k / sum_k n_k, with n_k the client's test size."""
+    sizes = {c: float(m.get("num-examples", 0)) for c, m in per_client.items()}
+    total = sum(sizes.values())
+    if total <= 0:
+        return {}
+    return {"accuracy_all": sum(float(m["accuracy"]) * sizes[c] for c, m in per_client.items()) / total}
 
 
 def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -421,3 +421,14 @@ def test_flwr_run_dot_runs_the_app_and_names_a_too_small_federation(tmp_path: Pa
     finally:   # the detached local SuperLink flwr started for this FLWR_HOME
         for pid in [int(p.name) for p in Path("/proc").glob("[0-9]*") if str(home) in _cmdline(int(p.name))]:
             kill_tree(pid)
+
+
+def test_summary_reports_the_pooled_all_accuracy_beside_the_mean() -> None:
+    cfg = compose_config({})
+    info = {str(i): {"num_train": 10} for i in range(3)}
+    rnd = _round(1, {"0": 1.0, "1": 0.5, "2": 0.0})
+    for cid, n in (("0", 10), ("1", 30), ("2", 60)):
+        rnd["clients"][cid]["num-examples"] = float(n)
+    s = build_summary(cfg, [rnd], info, "completed")
+    # (1.0 * 10 + 0.5 * 30 + 0 * 60) / 100 = 0.25, while the mean over clients is 0.5
+    assert s["accuracy_all"] == pytest.approx(0.25) and s["accuracy_mean"] == pytest.approx(0.5)
