@@ -414,9 +414,23 @@ def _load_federated_data_cached(frozen: str, seed: int) -> FederatedData:
     return build_federated_data(cfg, seed)
 
 
+def held_out_domains(dataset_cfg: Mapping[str, Any]) -> set[str]:
+    """``dataset.heldout_domains``: domains none of the training clients has (FDSE's
+    leave-one-domain-out test): all their clients are held-out new clients."""
+    heldout = {str(d) for d in (dataset_cfg.get("heldout_domains") or [])}
+    unknown = sorted(heldout - {str(d) for d in dataset_cfg["domains"]})
+    if unknown:
+        raise DatasetError(f"dataset.heldout_domains {unknown} are not among dataset.domains "
+                           f"{list(dataset_cfg['domains'])}")
+    if heldout and len(heldout) == len(dataset_cfg["domains"]):
+        raise DatasetError("dataset.heldout_domains holds out every domain; keep at least one for training")
+    return heldout
+
+
 def num_clients(dataset_cfg: Mapping[str, Any]) -> int:
     """Number of participating clients of a dataset config, without loading any data."""
-    return len(dataset_cfg["domains"]) * int(dataset_cfg["clients_per_domain"])
+    kept = len(dataset_cfg["domains"]) - len(held_out_domains(dataset_cfg))
+    return kept * int(dataset_cfg["clients_per_domain"])
 
 
 def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
@@ -484,6 +498,7 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
             pools.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
             global_ids.append(np.asarray(idx) + (d * len(y) if share else 0))
 
+    heldout = held_out_domains(cfg)
     augment = str(cfg.get("augment", "none"))
     if augment not in AUGMENTS:
         raise DatasetError(f"unknown dataset.augment {augment!r}; valid: {', '.join(AUGMENTS)}")
@@ -506,11 +521,11 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
             raise DatasetError(f"domain {name!r} ({len(labels)} samples) cannot be split across "
                                f"{per_domain + new_per_domain} clients: {err}") from err
         for k, (tr, va, te) in enumerate(splits):
-            if k < per_domain:
-                cid = str(d * per_domain + k)
+            if k < per_domain and name not in heldout:
+                cid = str(len(clients))
                 target = clients
-            else:
-                cid = f"new-{d * new_per_domain + (k - per_domain)}"
+            else:   # a held-out new client (every client of a held-out domain is one)
+                cid = f"new-{len(new_clients)}"
                 target = new_clients
             weights = (np.bincount(labels[tr], minlength=num_classes) / max(len(tr), 1)
                        if split == "pflbed" else None)

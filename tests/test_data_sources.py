@@ -166,3 +166,27 @@ def test_digit_sources_are_four_real_sources_with_disjoint_mnist():
     assert not torch.equal(mnist_m[:, 0], mnist_m[:, 1])  # blended with colour photographs
     assert float((mnist == 0).float().mean()) > 0.5 > float((uci == 0).float().mean())  # another scanner
     assert float(colour.std(dim=(2, 3)).mean()) > 0.05
+
+
+def test_leave_one_domain_out_makes_a_domain_unseen():
+    """FDSE's unseen-domain test: with dataset.heldout_domains=[invert] no training client
+    has the domain; all its clients are held-out new clients. Without the option the ids are
+    what they always were."""
+    from learning.config import compose_config
+    from learning.data import load_federated_data, num_clients
+
+    plain = load_federated_data(compose_config({}).dataset, 0)
+    cfg = compose_config({}, ["dataset.heldout_domains=[invert]"])
+    data = load_federated_data(cfg.dataset, 0)
+    assert num_clients(cfg.dataset) == len(data.clients) == 6
+    assert data.client_ids == [str(i) for i in range(6)]
+    assert "invert" not in {c.domain for c in data.clients.values()}
+    unseen = [c for c in data.new_clients.values() if c.domain == "invert"]
+    assert len(unseen) == 3   # its 2 participating + 1 new client
+    assert len(data.new_clients) == 3 + 3
+    # the invert clients' samples are exactly those of the plain split's invert clients
+    plain_ids = sorted(np.concatenate([c.train_ids for c in [*plain.clients.values(), *plain.new_clients.values()]
+                                       if c.domain == "invert"]).tolist())
+    assert sorted(np.concatenate([c.train_ids for c in unseen]).tolist()) == plain_ids
+    with pytest.raises(DatasetError, match="not among dataset.domains"):
+        num_clients(compose_config({}, ["dataset.heldout_domains=[sketch]"]).dataset)
