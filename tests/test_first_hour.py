@@ -432,3 +432,16 @@ def test_summary_reports_the_pooled_all_accuracy_beside_the_mean() -> None:
     s = build_summary(cfg, [rnd], info, "completed")
     # (1.0 * 10 + 0.5 * 30 + 0 * 60) / 100 = 0.25, while the mean over clients is 0.5
     assert s["accuracy_all"] == pytest.approx(0.25) and s["accuracy_mean"] == pytest.approx(0.5)
+
+
+def test_remove_private_files_deletes_the_keys_and_the_folder(tmp_path: Path) -> None:
+    from ops.launch import remove_private_files
+
+    work = tmp_path / "pflower-deploy-x"
+    (work / "certs").mkdir(parents=True)
+    for name in ("ca.key", "ca.crt", "server.key", "supernode-0.key", "supernode-0.pub"):
+        (work / "certs" / name).write_text(name)
+    (work / "supernode-0.log").write_text("log")
+    remove_private_files(work)
+    assert not work.exists()
+    remove_private_files(work)   # an absent folder is fine
