@@ -349,9 +349,9 @@ def test_crop_flip_augmentation_crops_and_flips_the_image():
         assert x.shape == (3, 8, 8) and int(y) == 7
         # every output is a shifted (and possibly mirrored) window of the zero-padded image
         padded = torch.nn.functional.pad(img[0], (2, 2, 2, 2))
-        found = [(t, l, f) for t in range(5) for l in range(5) for f in (False, True)
-                 if torch.equal(x, torch.flip(padded[:, t:t + 8, l:l + 8], [-1]) if f
-                                else padded[:, t:t + 8, l:l + 8])]
+        found = [(t, c, f) for t in range(5) for c in range(5) for f in (False, True)
+                 if torch.equal(x, torch.flip(padded[:, t:t + 8, c:c + 8], [-1]) if f
+                                else padded[:, t:t + 8, c:c + 8])]
         assert found
         seen.add(found[0])
     assert len(seen) > 10 and {f for _, _, f in seen} == {False, True}
