@@ -100,15 +100,17 @@ class MobileNetCIFAR(nn.Module):
 class AlexNetBN(nn.Module):
     """AlexNet with BatchNorm after every conv and hidden linear layer (FedBN / FDSE backbone).
 
-    Channel widths 64-192-384-256-256 and hidden 4096-4096 scaled by ``width``; an adaptive
-    pool makes it accept any input size (the papers use 256x256 images).
+    Channel widths 64-192-384-256-256 and the two hidden layers (``hidden``: 4096 in FedBN's
+    code, 1024 in FDSE's baseline, Table A5) scaled by ``width``; for inputs of 64 px and
+    more, max-pools after conv1, conv2 and conv5 as both, then an adaptive pool, so any
+    input size works (the papers use 256x256 images: 1.3e7 parameters with hidden 1024).
     """
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
-                 width: float = 1.0) -> None:
+                 width: float = 1.0, hidden: int = 4096) -> None:
         super().__init__()
         w = [max(8, int(c * width)) for c in (64, 192, 384, 256, 256)]
-        hidden = max(16, int(4096 * width))
+        hidden = max(16, int(hidden * width))
         big = image_size >= 64
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, w[0], 11 if big else 3, stride=4 if big else 1,
@@ -121,6 +123,7 @@ class AlexNetBN(nn.Module):
             nn.Conv2d(w[1], w[2], 3, padding=1), nn.BatchNorm2d(w[2]), nn.ReLU(inplace=True),
             nn.Conv2d(w[2], w[3], 3, padding=1), nn.BatchNorm2d(w[3]), nn.ReLU(inplace=True),
             nn.Conv2d(w[3], w[4], 3, padding=1), nn.BatchNorm2d(w[4]), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2) if big else nn.Identity(),
             nn.AdaptiveAvgPool2d(6 if big else 2),
             nn.Flatten(),
         )
@@ -166,7 +169,8 @@ def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
         return MobileNetCIFAR(c, num_classes, h, float(model_cfg.get("width_mult", 1.0)),
                               bool(model_cfg.get("bn_running_stats", True)))
     if name == "alexnet-bn":
-        return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)))
+        return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)),
+                         int(model_cfg.get("hidden", 4096)))
     if name == "resnet18":
         return resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
                          bool(model_cfg.get("small_input", True)))

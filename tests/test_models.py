@@ -57,3 +57,19 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ModelError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_alexnet_bn_sizes_match_fedbn_and_fdse_table_a5():
+    """On 256x256 inputs: FedBN's AlexNet-BN (hidden 4096) has about 5.7e7 parameters, FDSE's
+    baseline (Table A5: hidden 1024, max-pool after conv5) about 1.3e7."""
+    import torch
+
+    from learning.models import AlexNetBN
+
+    def count(hidden: int) -> int:
+        return sum(p.numel() for p in AlexNetBN(3, 10, 256, 1.0, hidden).parameters())
+
+    assert 5.6e7 < count(4096) < 5.8e7
+    assert 1.25e7 < count(1024) < 1.35e7
+    out = AlexNetBN(3, 10, 256, 1.0, 1024).eval()(torch.randn(2, 3, 256, 256))
+    assert out.shape == (2, 10)
