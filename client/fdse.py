@@ -10,7 +10,9 @@ parameters on ``CE + lambda * L_Con(model, gs, beta)`` (``L_Con`` active from ro
 ``strategy.consistency_from_round``, paper: 2; ``form`` "paper" = Eq. 4-6, "code" = the
 authors' current code). It uploads the shared and personal tensors; the local-only
 statistics stay in its private state (with its personal tensors, kept as a fallback when
-a payload carries none).
+a payload carries none). Its personalised accuracy is that of its model right after local
+training (``strategy.evaluate=trained``, the authors' protocol), or of the aggregated model
+the server sends (``aggregated``).
 
 :func:`adapt_unseen` is the label-free adaptation of a held-out client (Algorithm 3): only
 the personal (DSE) modules are trained, to minimise ``L_Con`` against the global BN_DFE
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from client.trainer import ClientTrainer, LocalRound
+from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
 from common.options import FDSEOptions
 from common.roles import LOCAL
 from learning.data import ClientSplit
@@ -84,6 +86,25 @@ class FDSETrainer(ClientTrainer):
         metrics = super().train(work)
         metrics.setdefault("consistency", 0.0)   # the term is off in the first round(s)
         return metrics
+
+    TRAINED = "trained/"
+
+    def private_state(self, work: LocalRound) -> NDArrays:
+        """With ``evaluate=trained``, also the whole model as it left local training, which
+        the evaluation of this round tests (the authors evaluate each client's model right
+        after its local training)."""
+        state = super().private_state(work)
+        if self.options.evaluate == "trained":
+            state.update(prefixed(get_arrays(work.model), self.TRAINED))
+        return state
+
+    def personal_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
+        """``evaluate=trained``: the client's model after its last local training (before
+        its first training, the received one); ``aggregated``: the received shared and
+        personal tensors with the client's local statistics."""
+        if self.options.evaluate == "trained" and unprefixed(state, self.TRAINED):
+            return self.own_model(rnd, payload, state, self.TRAINED)
+        return super().personal_model(rnd, payload, state)
 
 
 # ---------------------------------------------------------------- unseen domains

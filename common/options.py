@@ -95,8 +95,10 @@ class FDSEOptions(MethodOptions):
     adapt_epochs: int
     adapt_lr: float
     adapt_on: str
+    evaluate: str
 
     def __post_init__(self) -> None:
+        _one_of("evaluate", self.evaluate, ("trained", "aggregated"))
         _finite("lam", self.lam, 0.0)
         _finite("beta", self.beta)
         _finite("tau", self.tau, 0.0, strict=True)

@@ -312,3 +312,27 @@ def test_pflower_run_fdse_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((run / "unseen_adaptation.json").read_text())
     assert set(res["clients"]) == {"new-0", "new-1", "new-2", "new-3"}
+
+
+def test_evaluation_tests_the_model_right_after_local_training(setup, two_rounds):
+    """``evaluate=trained`` (default, the authors' protocol): the personalised accuracy is
+    that of the client's model as it left local training, whatever the server sends;
+    ``evaluate=aggregated`` tests what the server sends."""
+    from learning.training import evaluate as evaluate_model
+
+    cfg, data = setup
+    strat, trainer, states, log = two_rounds
+    rnd = client_round(cfg, data, "0", 2)
+    res = log["results"][(2, "0")]
+    for k, v in res.upload.items():   # the kept model is the one that was trained and uploaded
+        np.testing.assert_array_equal(states["0"][FDSETrainer.TRAINED + k], v)
+    now = trainer.evaluate(rnd, strat.payload_for("0"), states["0"])
+    older = trainer.evaluate(rnd, log["payloads"][(1, "0")], states["0"])
+    assert now["accuracy"] == older["accuracy"] and now["loss"] == older["loss"]
+    trained = trainer.own_model(rnd, {}, states["0"], FDSETrainer.TRAINED)
+    assert now["accuracy"] == evaluate_model(trained, data.client("0").test, torch.device("cpu"))["accuracy"]
+    aggregated = FDSETrainer(compose_config({"experiment": "fdse-digits"},
+                                            ["rounds=2", "strategy.evaluate=aggregated"]))
+    sent = aggregated.evaluate(rnd, strat.payload_for("0"), states["0"])
+    first = aggregated.evaluate(rnd, log["payloads"][(1, "0")], states["0"])
+    assert (sent["loss"], sent["accuracy"]) != (first["loss"], first["accuracy"])
