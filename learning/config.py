@@ -135,12 +135,14 @@ def discover_imagefolder(cfg: DictConfig) -> None:
     """An image-folder dataset with no ``domains`` listed takes the sub-folders of ``root``
     (sorted), and the generic ``imagefolder`` preset takes the root folder's name as the
     dataset name (so run folders and tables say ``my-digits``, not ``imagefolder``)."""
+    from learning.data import subfolders
+
     ds = cfg.dataset
     if ds.get("source") != "imagefolder" or OmegaConf.is_missing(ds, "root") or not ds.root:
         return
     root = Path(str(ds.root))
     if not ds.domains and root.is_dir():
-        ds.domains = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        ds.domains = [p.name for p in subfolders(root)]
     if str(ds.name) == "imagefolder":
         ds.name = root.resolve().name or "imagefolder"
 

@@ -290,6 +290,12 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 IMAGE_LAYOUT = "<root>/<domain>/<class>/<image files>"
 
 
+def subfolders(folder: Path) -> list[Path]:
+    """The visible sub-folders of ``folder``, sorted by name (domains of a root, classes of
+    a domain)."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def image_tree_problems(root: str, domains: list[str], verify_images: bool = False) -> list[str]:
     """Every layout problem of an image-folder tree, each naming the folder and the fix.
 
@@ -302,7 +308,7 @@ def image_tree_problems(root: str, domains: list[str], verify_images: bool = Fal
     if not root or not base.is_dir():
         return [f"dataset.root {root!r} does not exist; point dataset.root at a folder laid out "
                 f"as {IMAGE_LAYOUT}"]
-    present = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    present = [p.name for p in subfolders(base)]
     if not domains:
         return [f"{base} has no domain folders; expected {IMAGE_LAYOUT}"]
     missing = [d for d in domains if not (base / d).is_dir()]
@@ -311,7 +317,7 @@ def image_tree_problems(root: str, domains: list[str], verify_images: bool = Fal
                 "dataset.domains or leave it empty to use every sub-folder"]
     problems: list[str] = []
     for d in domains:
-        class_dirs = sorted(c for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith("."))
+        class_dirs = subfolders(base / d)
         if not class_dirs:
             problems.append(f"domain folder {base / d} has no class folders; expected {IMAGE_LAYOUT}")
             continue
@@ -347,14 +353,11 @@ def _unreadable(paths: list[Path]) -> list[str]:
 def _imagefolder_domains(
     root: str, domains: list[str], image_size: int
 ) -> tuple[list[_ImageFolderDomain], list[str]]:
-    if not domains and root and Path(root).is_dir():
-        domains = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
     problems = image_tree_problems(root, domains)
     if problems:
         raise DatasetError("the image-folder tree has problems:\n  - " + "\n  - ".join(problems))
     base = Path(root)
-    classes = sorted({c.name for d in domains for c in (base / d).iterdir()
-                      if c.is_dir() and not c.name.startswith(".")})
+    classes = sorted({c.name for d in domains for c in subfolders(base / d)})
     pools = [_ImageFolderDomain(base / d, classes, image_size) for d in domains]
     return pools, classes
 
@@ -441,7 +444,7 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
     domains: list[str] = list(cfg["domains"])
     root = str(cfg.get("root", "") or "")
     if source == "imagefolder" and not domains and root and Path(root).is_dir():
-        domains = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+        domains = [p.name for p in subfolders(Path(root))]
     if not domains:
         raise DatasetError("dataset.domains is empty; list at least one domain")
     per_domain = int(cfg["clients_per_domain"])

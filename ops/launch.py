@@ -278,7 +278,7 @@ def remove_private_files(folder: Path) -> None:
 @contextlib.contextmanager
 def simulation_superlink(keep_in: Path | None = None) -> Iterator[tuple[SuperLink, Path]]:
     """A private simulation SuperLink plus a FLWR_HOME that points at it. Its temporary
-    folder (database, log, FLWR_HOME) is removed afterwards, or moved to ``keep_in``."""
+    folder (database, log, FLWR_HOME) is removed afterwards (copied to ``keep_in`` first if given)."""
     link = SuperLink(simulation=True)
     flwr_home = link.workdir / "flwr-home"
     write_flwr_config(flwr_home, link.control_address)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -71,8 +72,6 @@ class RunFolderLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunFolderLock:
-        import os
-
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,8 +83,6 @@ class RunFolderLock:
         return self
 
     def release(self) -> None:
-        import os
-
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -160,6 +160,21 @@ def _run_cfg(strategy: str, run_name: str, results: Path, rounds: int = 2) -> st
                                "run-name": run_name, "results-root": str(results)}, FAST)
 
 
+def _run_past_round_one(dep: Deployment, results: Path, strategy: str, run_name: str,
+                        rounds: int) -> tuple[threading.Thread, dict[str, int]]:
+    """Submit a run in a thread and return once its round 1 is recorded (the thread puts
+    flwr's exit code in the dict under "code")."""
+    holder: dict[str, int] = {}
+    runner = threading.Thread(target=lambda: holder.setdefault(
+        "code", dep.run(_run_cfg(strategy, run_name, results, rounds=rounds), timeout=900)))
+    runner.start()
+    deadline = time.monotonic() + 900
+    while not _rounds(results, run_name) and time.monotonic() < deadline and runner.is_alive():
+        time.sleep(0.1)
+    assert _rounds(results, run_name), "round 1 never finished:" + dep.logs()
+    return runner, holder
+
+
 # ---------------------------------------------------------------------- deployments
 @pytest.mark.e2e
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
@@ -202,14 +217,7 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
         assert run_result(results / "fedavg", 0, code)[0], dep.logs()
         _check_summary(_summary(results, "fedavg"), 2)
 
-        holder: dict[str, int] = {}
-        runner = threading.Thread(target=lambda: holder.setdefault(
-            "code", dep.run(_run_cfg("fedbn", "fedbn", results, rounds=3), timeout=900)))
-        runner.start()
-        deadline = time.monotonic() + 900
-        while not _rounds(results, "fedbn") and time.monotonic() < deadline and runner.is_alive():
-            time.sleep(0.1)
-        assert _rounds(results, "fedbn"), "round 1 never finished:" + dep.logs()
+        runner, holder = _run_past_round_one(dep, results, "fedbn", "fedbn", rounds=3)
         old_pid = dep.nodes[1].proc.pid
         dep.nodes[1].stop()
         assert not _processes_mentioning(str(dep.state_dir(1)))  # the whole group is gone
@@ -240,14 +248,7 @@ def test_a_supernode_killed_for_good_is_one_missing_client_and_slows_one_round(t
     each held up by the 120 s wait for clients."""
     results = tmp_path / "results"
     with Deployment(3, "insecure", workdir=tmp_path / "work") as dep:
-        holder: dict[str, int] = {}
-        runner = threading.Thread(target=lambda: holder.setdefault(
-            "code", dep.run(_run_cfg("fedavg", "dead", results, rounds=4), timeout=900)))
-        runner.start()
-        deadline = time.monotonic() + 900
-        while not _rounds(results, "dead") and time.monotonic() < deadline and runner.is_alive():
-            time.sleep(0.1)
-        assert _rounds(results, "dead"), "round 1 never finished:" + dep.logs()
+        runner, holder = _run_past_round_one(dep, results, "fedavg", "dead", rounds=4)
         dep.nodes[2].stop()
         killed_at = _rounds(results, "dead")[0]["elapsed_s"]
         runner.join(timeout=960)

@@ -493,6 +493,19 @@ def test_compare_r_acc_and_ptr_against_local(tmp_path):
     assert "0.0000 ± 0.0000" in local_row
 
 
+def _fit_distance(*overrides: str):
+    """One FEDORA client fit from theta_k (seed 1) towards theta_hat_k (seed 3): the result,
+    ||theta_k after - theta_hat_k|| and ||theta_k before - theta_hat_k|| (float64)."""
+    cfg = _cfg(*overrides)
+    own, hat = get_arrays(_model(cfg, 1)), get_arrays(_model(cfg, 3))
+    result = FEDORATrainer(cfg).fit(_round(cfg), hat, {MODEL_PREFIX + k: v for k, v in own.items()})
+
+    def distance(arrays: dict) -> float:
+        return math.sqrt(sum(float(np.sum((arrays[k].astype(np.float64) - hat[k]) ** 2)) for k in hat))
+
+    return result, distance(result.upload), distance(own)
+
+
 def test_an_unbounded_lambda_diverges_and_the_bound_keeps_the_client_stable():
     """Issue 13's divergence, reproduced: lambda = 50 (the eps floor stands in for a client
     whose own validation loss blew up) at lr 0.05 with momentum 0.9. Unbounded, the penalty's
@@ -500,19 +513,10 @@ def test_an_unbounded_lambda_diverges_and_the_bound_keeps_the_client_stable():
     model runs away; with ``lambda_max=auto`` (1 / (2 lr) = 10) it contracts towards theta_hat."""
     dist = {}
     for bound in ("null", "auto"):
-        cfg = _cfg("strategy.eps=50.0", f"strategy.lambda_max={bound}", "train.lr=0.05",
-                   "train.momentum=0.9", "train.local_epochs=3")
-        rnd = _round(cfg)
-        own, hat = _model(cfg, 1), _model(cfg, 3)
-        state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
-        payload = get_arrays(hat)
-        result = FEDORATrainer(cfg).fit(rnd, payload, state)
-        up = result.upload
-        dist[bound] = math.sqrt(sum(float(np.sum((up[k].astype(np.float64) - payload[k]) ** 2))
-                                    for k in payload))
+        result, dist[bound], start = _fit_distance(
+            "strategy.eps=50.0", f"strategy.lambda_max={bound}", "train.lr=0.05",
+            "train.momentum=0.9", "train.local_epochs=3")
         assert result.metrics["lambda"] == (50.0 if bound == "null" else 10.0)
-    start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2))
-                          for k in payload))
     assert not math.isfinite(dist["null"]) or dist["null"] > 10 * start    # ran away (x32 here)
     assert dist["auto"] < 0.8 * start                                        # pulled in
 
@@ -557,14 +561,6 @@ def test_decoupled_proximal_step_is_the_codes_update():
 def test_decoupled_penalty_pulls_towards_theta_hat_outside_the_optimiser():
     dist = {}
     for eps in (1e-8, 5.0):
-        cfg = _cfg("strategy.penalty=decoupled", f"strategy.eps={eps}", "train.lr=0.05",
-                   "train.momentum=0.9", "train.local_epochs=3")
-        rnd = _round(cfg)
-        own, hat = _model(cfg, 1), _model(cfg, 3)
-        state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
-        payload = get_arrays(hat)
-        trainer = FEDORATrainer(cfg)
-        result = trainer.fit(rnd, payload, state)
-        dist[eps] = math.sqrt(sum(float(np.sum((result.upload[k] - payload[k]) ** 2)) for k in payload))
-    start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2)) for k in payload))
+        _, dist[eps], start = _fit_distance("strategy.penalty=decoupled", f"strategy.eps={eps}",
+                                            "train.lr=0.05", "train.momentum=0.9", "train.local_epochs=3")
     assert dist[5.0] < 0.5 * start < dist[1e-8]

@@ -345,20 +345,13 @@ def test_compare_measures_r_acc_against_local_with_another_model(tmp_path: Path)
 
 
 # ---------------------------------------------------------------- end to end
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 @pytest.mark.e2e
 def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
     """Cut the log stream (kill ``flwr run --stream``) at round 2 while the SuperLink goes
     on: pflower follows the run to its end instead of stopping a healthy run."""
     from conftest import pflower_popen
 
-    from ops.cli import process_tree
+    from ops.cli import _cmdline, process_tree
 
     log = tmp_path / "log.txt"
     proc = pflower_popen(["run", "rounds=6", f"results_root={tmp_path}", "run_name=cut"], log)
@@ -395,7 +388,7 @@ def test_flwr_run_dot_runs_the_app_and_names_a_too_small_federation(tmp_path: Pa
 
     from conftest import REPO
 
-    from ops.cli import kill_tree
+    from ops.cli import _cmdline, kill_tree
 
     home = tmp_path / "flwr-home"
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
