@@ -1,7 +1,7 @@
 """Aggregation cost per round: FedAvg vs FDSE's MGDA consensus and attention vs FEDORA's
 propagation, for K clients and a model of d parameters (split into tensors like a CNN's).
 
-    python bench/bench_aggregation.py --clients 10 50 --params 1e5 1e6
+    python3 -m bench.bench_aggregation --clients 10 50 --params 1e5 1e6
 
 Prints seconds per aggregation (median of --repeats) and the ratio to FedAvg. The design's
 performance model: FedAvg is one memory-bound pass over K x d numbers; the other rules

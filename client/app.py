@@ -28,7 +28,7 @@ from common.protocol import (
     to_record,
 )
 from learning.config import compose_config
-from learning.data import FederatedData, load_federated_data
+from learning.data_cache import DataInfo, load_client_data, resolve_cache_dir
 from learning.models import resolve_device
 
 app = ClientApp()
@@ -63,16 +63,16 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
     return root / client_id
 
 
-def check_partitions(context: Context, data: FederatedData) -> None:
+def check_partitions(context: Context, info: DataInfo) -> None:
     """A federation with fewer nodes than clients cannot run every client (more nodes is
     fine: the server leaves the extra ones idle)."""
     size = context.node_config.get("num-partitions")
-    if size is not None and int(size) < len(data.clients):
-        missing = [c for c in data.client_ids if not (c.isdigit() and int(c) < int(size))]
+    if size is not None and int(size) < len(info.client_ids):
+        missing = [c for c in info.client_ids if not (c.isdigit() and int(c) < int(size))]
         raise ValueError(
-            f"node config says num-partitions={size} but dataset {data.name!r} has "
-            f"{len(data.clients)} clients ({', '.join(missing)} have no node); in simulation pass "
-            f"--federation-config \"num-supernodes={len(data.clients)}\" to flwr run (or use "
+            f"node config says num-partitions={size} but dataset {info.name!r} has "
+            f"{len(info.client_ids)} clients ({', '.join(missing)} have no node); in simulation pass "
+            f"--federation-config \"num-supernodes={len(info.client_ids)}\" to flwr run (or use "
             "`pflower run`, which sets it), or change dataset.clients_per_domain"
         )
 
@@ -81,12 +81,13 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     cfg = client_config(context)
     server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
     client_id = client_id_of(context)
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    check_partitions(context, data)
+    # only this client's split, from the on-disk cache after the first process built it
+    split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
+    check_partitions(context, info)
     run_name = str(server_cfg.get("run-name", cfg.run_name))
     rnd = ClientRound(
-        cfg=cfg, client_id=client_id, data=data.client(client_id), num_classes=data.num_classes,
-        input_shape=data.input_shape, device=resolve_device(str(cfg.device)),
+        cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
+        input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
         server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
     )
     store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state,

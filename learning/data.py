@@ -388,6 +388,20 @@ class CropFlip(Dataset):
 AUGMENTS = ("none", "crop-flip")
 
 
+def tensor_view(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, y)`` of a dataset that is a ``TensorDataset`` (or nested ``Subset`` of one) as
+    two stacked tensors, else ``None`` (datasets that read or transform per item)."""
+    index: torch.Tensor | None = None
+    while isinstance(ds, Subset):
+        idx = torch.as_tensor(ds.indices, dtype=torch.long)
+        index = idx if index is None else idx[index]
+        ds = ds.dataset
+    if not (isinstance(ds, TensorDataset) and len(ds.tensors) == 2):
+        return None
+    x, y = ds.tensors
+    return (x, y) if index is None else (x[index], y[index])
+
+
 # --------------------------------------------------------------------------- building
 
 

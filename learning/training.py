@@ -9,7 +9,7 @@ the optimiser entirely, so weight decay and momentum cannot move them.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from learning.data import tensor_view
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -107,10 +109,51 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_loader(ds: Dataset, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+class TensorBatches:
+    """Mini-batches of an in-memory dataset, gathered on ``device`` once per call.
+
+    Yields exactly the batches ``DataLoader(ds, batch_size, shuffle, generator)`` yields
+    (the same ``randperm`` draws from the same generator, one per pass), without a
+    per-sample ``__getitem__``, a collate or a host-to-device copy per batch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, shuffle: bool,
+                 generator: torch.Generator, drop_last: bool, device: torch.device | None) -> None:
+        self.x = x if device is None else x.to(device, non_blocking=True)
+        self.y = y if device is None else y.to(device, non_blocking=True)
+        self.batch_size, self.shuffle, self.drop_last = int(batch_size), shuffle, drop_last
+        self.generator = generator
+
+    def __len__(self) -> int:
+        n = len(self.y)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.y)
+        order = None
+        if self.shuffle:  # DataLoader draws a base seed for its workers first, then the order
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            order = torch.randperm(n, generator=self.generator).to(self.x.device)
+        for b in range(len(self)):
+            if order is None:
+                yield self.x[b * self.batch_size:(b + 1) * self.batch_size], \
+                    self.y[b * self.batch_size:(b + 1) * self.batch_size]
+            else:
+                idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+                yield self.x[idx], self.y[idx]
+        if self.shuffle:  # RandomSampler's tail draw (a permutation it slices to nothing)
+            torch.randperm(n, generator=self.generator)
+
+
+def make_loader(ds: Dataset, batch_size: int, shuffle: bool, seed: int = 0,
+                device: torch.device | None = None) -> Iterable[tuple[torch.Tensor, Any]]:
+    """The mini-batches of ``ds`` (reshuffled on every pass when ``shuffle``): a
+    :class:`TensorBatches` on ``device`` for in-memory datasets, a ``DataLoader`` otherwise."""
     gen = torch.Generator().manual_seed(seed)
     # drop_last only when it keeps at least one batch: BN needs > 1 sample per batch.
-    drop_last = shuffle and len(ds) > batch_size and len(ds) % batch_size == 1
+    drop_last = shuffle and len(ds) > batch_size and len(ds) % batch_size == 1  # type: ignore[arg-type]
+    tensors = tensor_view(ds)
+    if tensors is not None:
+        return TensorBatches(*tensors, batch_size, shuffle, gen, drop_last, device)
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen, drop_last=drop_last)
 
 
@@ -161,31 +204,35 @@ def train_epochs(
         for n, p in model.named_parameters():
             p.requires_grad_(bool(trainable(n)))
     optimizer = optimizer or make_optimizer(model.parameters(), opt)
-    loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=seed)
+    loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=seed, device=device)
     loss_fn = nn.CrossEntropyLoss()
     forward = torch.compile(model) if opt.compile else model
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda", enabled=opt.amp and device.type == "cuda")
-    steps, total, correct, loss_sum = 0, 0, 0, 0.0
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # Running sums stay on the device: no host sync per step (one per epoch, below).
+    steps, total = 0, 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    finite = torch.ones((), dtype=torch.bool, device=device)
     try:
-        for _ in range(max(0, opt.epochs)):
-            total, correct, loss_sum = 0, 0, 0.0
+        for epoch in range(max(0, opt.epochs)):
+            total = 0
+            correct.zero_()
+            loss_sum.zero_()
             for x, y in loader:
-                x, y = x.to(device), y.to(device)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=opt.amp):
                     logits = forward(x)
                     loss = loss_fn(logits, y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model, x, y, logits)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"training loss became {loss.item()}; lower train.lr or enable train.clip"
-                    )
+                finite &= torch.isfinite(loss.detach())
                 scaler.scale(loss).backward()
                 if opt.clip > 0:
                     scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opt.clip)
+                    nn.utils.clip_grad_norm_(trained, opt.clip)
                 scaler.step(optimizer)
                 scaler.update()
                 if after_step is not None:
@@ -193,14 +240,19 @@ def train_epochs(
                         after_step(model)
                 steps += 1
                 total += len(y)
-                correct += int((logits.argmax(1) == y).sum())
-                loss_sum += float(loss.detach()) * len(y)
+                correct += (logits.detach().argmax(1) == y).sum()
+                loss_sum += loss.detach().to(torch.float64) * len(y)
+            if not bool(finite):
+                raise FloatingPointError(
+                    f"training loss became non-finite (nan or inf) in local epoch {epoch + 1}; "
+                    "lower train.lr or enable train.clip"
+                )
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(saved[n])
     return {
-        "train_loss": loss_sum / max(total, 1),
-        "train_accuracy": correct / max(total, 1),
+        "train_loss": float(loss_sum) / max(total, 1),
+        "train_accuracy": int(correct) / max(total, 1),
         "steps": float(steps),
     }
 
@@ -215,23 +267,25 @@ def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: in
     model.to(device).eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     w = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float64, device=device)
-    total, correct, loss_sum = 0, 0, 0.0
+    total = 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     w_correct = torch.zeros((), dtype=torch.float64, device=device)
     w_total = torch.zeros((), dtype=torch.float64, device=device)
-    for x, y in make_loader(ds, batch_size, shuffle=False):
-        x, y = x.to(device), y.to(device)
+    for x, y in make_loader(ds, batch_size, shuffle=False, device=device):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
-        loss_sum += float(loss_fn(logits, y))
+        loss_sum += loss_fn(logits, y).to(torch.float64)
         hits = logits.argmax(1) == y
-        correct += int(hits.sum())
+        correct += hits.sum()
         total += len(y)
         if w is not None:
             w_correct += (w[y] * hits).sum()
             w_total += w[y].sum()
-    accuracy = correct / max(total, 1)
+    accuracy = int(correct) / max(total, 1)
     if w is not None:
         accuracy = float(w_correct / w_total) if float(w_total) > 0 else 0.0
-    return {"loss": loss_sum / max(total, 1), "accuracy": accuracy, "num": float(total)}
+    return {"loss": float(loss_sum) / max(total, 1), "accuracy": accuracy, "num": float(total)}
 
 
 def proximal_term(reference: Mapping[str, torch.Tensor], mu: float,

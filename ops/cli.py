@@ -43,6 +43,38 @@ def _num(x: float) -> str:
 
 
 EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
+ACTORS_PER_GPU = 8  # each client actor holds its own CUDA context (about 0.5 GB) and model
+
+
+def gpu_share(num_clients: int, gpus: int, cpus: int, cpus_per_client: float) -> float:
+    """GPUs per simulated client when ``--num-gpus`` is not given: 0 without a GPU, else
+    the GPUs split evenly among the clients that can run at once (bounded by the clients,
+    the CPUs they reserve and ``ACTORS_PER_GPU`` per GPU), as ``1/k`` of a GPU."""
+    if gpus <= 0:
+        return 0.0
+    concurrent = min(num_clients, max(1, int(cpus // max(cpus_per_client, 1e-9))), ACTORS_PER_GPU * gpus)
+    per_gpu = max(1, -(-concurrent // gpus))   # ceil
+    return 1.0 / per_gpu
+
+
+def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None,
+                      cpus_per_client: float) -> float:
+    """The ``client-resources-num-gpus`` of a simulation. Ray hides the GPU from actors that
+    reserve none, so on a CUDA machine clients get a share unless told ``--num-gpus 0``;
+    ``device=cuda`` without CUDA, or with ``--num-gpus 0``, is refused before anything starts."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = str(cfg.device)
+    if device.startswith("cuda") and gpus == 0:
+        raise ConfigError(f"device={device} but this machine has no CUDA GPU (torch "
+                          f"{torch.__version__}); use device=auto (CUDA when present) or device=cpu")
+    share = gpu_share(num_clients, gpus, os.cpu_count() or 1, cpus_per_client) if requested is None \
+        else float(requested)
+    if device.startswith("cuda") and share <= 0:
+        raise ConfigError(f"device={device} with --num-gpus 0: Ray hides the GPU from clients that "
+                          "reserve none; leave --num-gpus out (an automatic share) or pass e.g. --num-gpus 0.25")
+    return share
 
 
 def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], list[str], int]:
@@ -50,7 +82,8 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     the config, the dataset (the whole image tree for image folders: missing or empty
     folders, nested folders, unreadable images, too few images for the split), and the run
     folder (another run's results, or a live run writing it)."""
-    from learning.data import image_tree_problems, load_federated_data
+    from learning.data import image_tree_problems
+    from learning.data_cache import fill_cache, resolve_cache_dir
     from server.results import RunFolderError, check_run_folder, lock_is_held
 
     run_cfg, rest = split_overrides(args.overrides)
@@ -62,7 +95,8 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
         if problems:
             raise DatasetError(f"dataset {cfg.dataset.name!r}: the image-folder tree has problems:\n  - "
                                + "\n  - ".join(problems))
-    load_federated_data(cfg.dataset, int(cfg.seed))   # builds every split: fails here, not in a client
+    # builds every split (fails here, not in a client) and caches them for the clients
+    fill_cache(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
     if cfg.resume:
         run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
     run_dir = Path(cfg.results_root) / cfg.run_name
@@ -81,6 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_cfg, rest, n = preflight(args)
+        num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus))
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
@@ -88,8 +123,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = run_dir / "summary.json"
     started = time.time()
     federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
-                  f"client-resources-num-gpus={_num(args.num_gpus)}")
-    print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}")
+                  f"client-resources-num-gpus={_num(num_gpus)}")
+    print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}"
+          + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else ""))
     keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
     try:
         with simulation_superlink(keep_in=keep) as (link, flwr_home):
@@ -371,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client")
-    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per simulated client (e.g. 0.25)")
+    p.add_argument("--num-gpus", type=float, default=None,
+                   help="GPUs per simulated client (e.g. 0.25; default: an even share of the "
+                        "machine's GPUs when CUDA is present, 0 without)")
     p.add_argument("--keep-temp", action="store_true",
                    help="keep the private SuperLink's folder (log, database) as <run folder>/superlink")
     p.set_defaults(func=cmd_run)
@@ -386,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", default="")
     s.add_argument("--plot", default="")
     s.add_argument("--num-cpus", type=float, default=1.0)
-    s.add_argument("--num-gpus", type=float, default=0.0)
+    s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.set_defaults(func=cmd_sweep)
     from ops.adapt import add_parser as add_adapt_parser
     from ops.deploy import add_parser as add_deploy_parser

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from common.protocol import NUM_PARTITIONS, make_reply
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the per-client data cache (learning/data_cache.py) of this test session, not the user's
+os.environ.setdefault("PFLOWER_DATA_CACHE", tempfile.mkdtemp(prefix="pflower-test-data-cache-"))
 
 REPO = Path(__file__).resolve().parent.parent
 

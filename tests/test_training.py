@@ -56,3 +56,25 @@ def test_nan_loss_is_a_clear_error():
     with pytest.raises(FloatingPointError, match="lower train.lr"):
         train_epochs(model, TensorDataset(x, torch.zeros(8, dtype=torch.long)), OptimConfig(lr=0.05, batch_size=4),
                      torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("n", "batch", "shuffle"), [(9, 4, True), (8, 4, True), (10, 4, False), (3, 8, True)])
+def test_in_memory_batches_are_exactly_the_dataloaders(n, batch, shuffle):
+    """make_loader gathers in-memory (TensorDataset / Subset) data without a DataLoader;
+    every pass must give the very batches torch's DataLoader gives with the same generator,
+    so runs stay bit-identical to the plain PyTorch loop."""
+    from torch.utils.data import DataLoader, Subset
+
+    from learning.training import TensorBatches, make_loader
+
+    x, y = torch.randn(20, 1, 2, 2), torch.arange(20)
+    ds = Subset(Subset(TensorDataset(x, y), list(range(2, 19))), [0, 3, 5, 7, 9, 11, 12, 13, 14, 15][:n])
+    ours = make_loader(ds, batch, shuffle, seed=3)
+    assert isinstance(ours, TensorBatches)
+    drop = shuffle and len(ds) > batch and len(ds) % batch == 1
+    ref = DataLoader(ds, batch_size=batch, shuffle=shuffle, generator=torch.Generator().manual_seed(3), drop_last=drop)
+    for _ in range(3):   # the generator advances across passes the same way
+        a, b = list(ours), list(ref)
+        assert len(a) == len(b)
+        for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)

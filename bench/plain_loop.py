@@ -1,0 +1,58 @@
+"""The reference the simulation is measured against: the same FedAvg work in one process,
+plain PyTorch and numpy, no Flower: the same config, data, model, local training function
+(``ClientTrainer.fit``), aggregation (``weighted_mean``) and evaluation of every client
+every round (``ClientTrainer.evaluate``).
+
+    python -m bench.plain_loop rounds=5 [more Hydra overrides]
+
+Prints one JSON line per round (``{"round": r, "wall": <unix time at its end>}``) after a
+line ``{"ready": <unix time when round 1 starts>}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(argv: list[str]) -> None:
+    from client.trainer import ClientRound
+    from common.methods import build_method_model, trainer_class
+    from learning.config import compose_config
+    from learning.data import load_federated_data
+    from learning.models import resolve_device
+    from learning.params import get_arrays, weighted_mean
+    from learning.training import seed_everything
+
+    cfg = compose_config({}, argv)
+    if str(cfg.strategy.name) != "fedavg":
+        raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    device = resolve_device(str(cfg.device))
+    seed_everything(int(cfg.seed))
+    trainer = trainer_class("fedavg", cfg.strategy)(cfg)
+    global_arrays = get_arrays(build_method_model(cfg, data.input_shape, data.num_classes))
+    states: dict[str, dict] = {}
+    print(json.dumps({"ready": time.time()}), flush=True)
+    for r in range(1, int(cfg.rounds) + 1):
+        uploads, sizes = [], []
+        for cid in data.client_ids:
+            rnd = ClientRound(cfg, cid, data.client(cid), data.num_classes, data.input_shape, device, r,
+                              {"server-round": r})
+            result = trainer.fit(rnd, global_arrays, states.get(cid, {}))
+            states[cid] = result.state
+            uploads.append(result.upload)
+            sizes.append(result.num_examples)
+        global_arrays = {**global_arrays, **weighted_mean(uploads, [float(s) for s in sizes])}
+        accuracies = []
+        for cid in data.client_ids:
+            rnd = ClientRound(cfg, cid, data.client(cid), data.num_classes, data.input_shape, device, r,
+                              {"server-round": r, "final": r == int(cfg.rounds)})
+            accuracies.append(trainer.evaluate(rnd, global_arrays, states[cid])["accuracy"])
+        print(json.dumps({"round": r, "wall": time.time(),
+                          "accuracy_mean": sum(accuracies) / len(accuracies)}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,269 @@
+"""pflower's benchmarks, one command; prints Markdown tables for docs/benchmarks.md.
+
+    python -m bench.run --quick      # under 10 minutes on a 2-core CPU machine
+    python -m bench.run              # bigger aggregation sizes (d up to 11.2M), more rounds
+
+(a) ``loop``: the plain PyTorch loop (``bench/plain_loop.py``) against ``pflower run`` on
+    the same FedAvg work: start-up to round 1 and seconds per round, as ratios.
+(b) ``aggregation``: FedAvg against FDSE's MGDA consensus and attention and FEDORA's
+    propagation for K clients and d parameters: seconds, ratio to FedAvg, peak extra memory.
+(c) ``bytes``: bytes down / up per client in one round of every method, from the real
+    messages (the server loop and the ClientApp in this process, joined by a fake grid).
+(d) ``deploy``: seconds per round of ``pflower deploy`` (3 SuperNodes, gRPC) against
+    ``pflower run`` of the same experiment.
+
+``--only a,b`` runs some sections. Every number comes from this run; nothing is cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+# ---------------------------------------------------------------------------------- (a)
+def _stream_rounds(cmd: list[str], metrics: Path | None, rounds: int, timeout: float) -> tuple[float, list[float]]:
+    """Start ``cmd``; return (launch time, wall time each round was recorded). Rounds come
+    from the command's JSON lines (plain loop) or from ``metrics`` (pflower's metrics.jsonl)."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[float] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if metrics is None and line.startswith('{"round"'):
+                seen.append(json.loads(line)["wall"])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = t0 + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if metrics is not None and metrics.exists():
+            n = len([s for s in metrics.read_text().splitlines() if s.strip()])
+            while len(seen) < n:
+                seen.append(time.time())
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    reader.join(timeout=5)
+    if proc.returncode not in (0, None) or len(seen) < rounds:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}, {len(seen)} rounds):\n"
+                           + "".join(lines[-30:]))
+    return t0, seen
+
+
+def _per_round(walls: list[float]) -> float:
+    return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
+
+
+def bench_loop(rounds: int, overrides: list[str]) -> str:
+    t0, plain = _stream_rounds([sys.executable, "-m", "bench.plain_loop", f"rounds={rounds}", *overrides],
+                               None, rounds, 600)
+    plain_round = _per_round(plain)
+    plain_start = plain[0] - t0 - plain_round
+    with tempfile.TemporaryDirectory() as tmp:
+        run = "bench-sim"
+        metrics = Path(tmp) / run / "metrics.jsonl"
+        t1, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", f"rounds={rounds}", f"results_root={tmp}",
+                                  f"run_name={run}", *overrides], metrics, rounds, 900)
+    sim_round = _per_round(sim)
+    sim_start = sim[0] - t1 - sim_round
+    return "\n".join([
+        f"FedAvg, default config ({' '.join(overrides) or 'digits-domains, 8 clients, cnn'}), {rounds} rounds; "
+        "per round = (last round's end - first round's end) / (rounds - 1); start-up = launch to round 1's start.",
+        "",
+        "| | plain loop | pflower run (simulation) | ratio (target) |",
+        "|---|---|---|---|",
+        f"| seconds per round | {plain_round:.3f} | {sim_round:.3f} | {sim_round / plain_round:.2f}x (<= 1.3x) |",
+        f"| start-up to round 1, s | {plain_start:.1f} | {sim_start:.1f} | {sim_start / plain_start:.2f}x (<= 2x) |",
+    ])
+
+
+# ---------------------------------------------------------------------------------- (b)
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 2 ms from /proc."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = self._rss()
+        self._stop = False
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    gc.collect()
+    with PeakRSS() as mem:
+        t = time.perf_counter()
+        out = fn()
+        elapsed = time.perf_counter() - t
+        del out
+    return elapsed, mem.extra_mb
+
+
+def _propagation(clients: list, w: object) -> object:
+    """FEDORA's server step as the strategy runs it: stack the clients' tensors, propagate."""
+    import numpy as np
+
+    from strategies.fedora_math import propagate_many
+
+    return propagate_many({key: np.stack([c[key] for c in clients]) for key in clients[0]}, w, 4.0)  # type: ignore[arg-type]
+
+
+def bench_aggregation(sizes: list[tuple[int, int]]) -> str:
+    from functools import partial
+
+    import numpy as np
+
+    from bench.bench_aggregation import make_clients
+    from learning.params import weighted_mean
+    from strategies.fdse_math import attention_mix_many, consensus_update_many
+
+    rows = ["| K | d | input MB | FedAvg s (MB) | MGDA consensus s (x, MB) | attention s (x, MB) | "
+            "propagation s (x, MB) |", "|---|---|---|---|---|---|---|"]
+    for k, d in sizes:
+        clients = make_clients(k, d)
+        w = np.random.default_rng(1).random((k, k))
+        np.fill_diagonal(w, 0)
+        t_avg, m_avg = _timed(partial(weighted_mean, clients, [1.0] * k))
+        cells = []
+        for fn in (partial(consensus_update_many, clients), partial(attention_mix_many, clients, 0.5),
+                   partial(_propagation, clients, w)):
+            t, m = _timed(fn)
+            cells.append(f"{t:.3f} ({t / t_avg:.1f}x, {m:.0f})")
+        rows.append(f"| {k} | {d:.2g} | {k * d * 4 / 2**20:.0f} | {t_avg:.3f} ({m_avg:.0f}) | " + " | ".join(cells) + " |")
+        del clients
+    return "\n".join(["Seconds per aggregation of K float32 models of d parameters (8 tensors each); (x) = "
+                      "ratio to FedAvg; MB = peak resident memory above the inputs. Targets: every rule <= 3x "
+                      "FedAvg at K=100, d=11.2M.", "", *rows])
+
+
+# ---------------------------------------------------------------------------------- (c)
+def bench_bytes(methods: list[str]) -> str:
+    from flwr.app import Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from client import app as client_app
+    from learning.config import compose_config
+    from learning.data import load_federated_data
+    from server.app import build_strategy
+    from server.loop import run_federation
+    from server.results import RunRecorder
+    from tests.conftest import FakeGrid
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    logging.getLogger("flwr").setLevel(logging.WARNING)   # keep the tables readable
+    rows = ["| method | model parameters | model state bytes | bytes down / client | bytes up / client | "
+            "up / model state |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in methods:
+            run_config = {"strategy": name, "rounds": "1", "results-root": tmp, "run-name": name,
+                          "overrides": "dataset.clients_per_domain=1 dataset.new_clients_per_domain=0 "
+                                       "finetune.epochs=1"}
+            cfg = compose_config(run_config)
+            data = load_federated_data(cfg.dataset, int(cfg.seed))
+            strategy = build_strategy(cfg, data)
+            contexts = {cid: Context(run_id=1, node_id=int(cid) + 1,
+                                     node_config={"partition-id": int(cid), "num-partitions": len(data.clients)},
+                                     state=RecordDict(), run_config=run_config) for cid in data.client_ids}
+
+            def handler(cid: str, msg: Message, contexts: dict = contexts) -> Message:
+                if msg.metadata.message_type == MessageType.TRAIN:
+                    return client_app.train(msg, contexts[cid])
+                return client_app.evaluate(msg, contexts[cid])
+
+            run_federation(strategy, FakeGrid(data.client_ids, handler), cfg, RunRecorder(cfg, resume=False))
+            log = strategy.round_log
+            down = sum(log.bytes_down.values()) / len(log.bytes_down)
+            up = sum(log.bytes_up.values()) / len(log.bytes_up)
+            params = sum(p.numel() for p in strategy.model.parameters())
+            state = sum(t.numel() * t.element_size() for t in strategy.model.state_dict().values())
+            rows.append(f"| {name} | {params:,} | {state:,} | {down:,.0f} | {up:,.0f} | {up / state:.2f} |")
+    return "\n".join(["One training round on digits-domains (4 clients, each method's default model), "
+                      "bytes of the arrays in the real Flower messages (strategy.round_log); model state = "
+                      "one copy of the method's model (parameters and buffers).", "", *rows])
+
+
+# ---------------------------------------------------------------------------------- (d)
+def bench_deploy(rounds: int) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        sim_metrics = Path(tmp) / "sim" / "metrics.jsonl"
+        _, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", f"rounds={rounds}",
+                                 f"results_root={tmp}", "run_name=sim"], sim_metrics, rounds, 900)
+        dep_metrics = Path(tmp) / "dep" / "metrics.jsonl"
+        _, dep = _stream_rounds([sys.executable, "-m", "ops.cli", "deploy", "--mode", "insecure", "--workdir",
+                                 str(Path(tmp) / "work"), "experiment=deploy-3", f"rounds={rounds}",
+                                 f"results_root={tmp}", "run_name=dep"], dep_metrics, rounds, 1200)
+    s, d = _per_round(sim), _per_round(dep)
+    return "\n".join([
+        f"experiment=deploy-3 (3 clients, FedAvg, cnn), {rounds} rounds, everything on this machine.", "",
+        "| | pflower run (simulation) | pflower deploy (3 SuperNodes, gRPC, insecure) | ratio (target) |",
+        "|---|---|---|---|",
+        f"| seconds per round | {s:.2f} | {d:.2f} | {d / s:.1f}x (<= 2x) |",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 CPU cores")
+    ap.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,b")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    print(f"# pflower benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}, {'--quick' if args.quick else 'full'}\n")
+    if "a" in only:
+        print("## (a) simulation vs plain loop\n\n" + bench_loop(5 if args.quick else 20, []) + "\n", flush=True)
+    if "b" in only:
+        sizes = [(10, 1_000_000), (100, 1_000_000), (500, 100_000)] if args.quick else \
+            [(10, 1_000_000), (100, 1_000_000), (500, 1_000_000), (10, 11_200_000), (100, 11_200_000)]
+        print("## (b) aggregation\n\n" + bench_aggregation(sizes) + "\n", flush=True)
+    if "c" in only:
+        from common.methods import METHODS
+
+        print("## (c) bytes per client per round\n\n" + bench_bytes(list(METHODS)) + "\n", flush=True)
+    if "d" in only:
+        print("## (d) deployment round\n\n" + bench_deploy(3 if args.quick else 5) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The per-client data cache: a ClientApp process reads exactly the split it would build."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import learning.data_cache as data_cache
+from learning.config import compose_config
+from learning.data import CropFlip, build_federated_data
+from learning.data_cache import cache_key, load_client_data, resolve_cache_dir, tensor_view
+
+
+def _items(ds) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y of a dataset read item by item (the slow, obvious way)."""
+    xs, ys = zip(*(ds[i] for i in range(len(ds))), strict=True)
+    return torch.stack(xs), torch.as_tensor([int(y) for y in ys])
+
+
+def _same_split(a, b) -> None:
+    assert a.client_id == b.client_id and a.domain == b.domain
+    assert isinstance(a.train, CropFlip) == isinstance(b.train, CropFlip)
+    for part in ("train", "val", "test"):
+        da, db = getattr(a, part), getattr(b, part)
+        da, db = (da.base, db.base) if isinstance(da, CropFlip) else (da, db)
+        xa, ya = _items(da)
+        xb, yb = _items(db)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb), part
+        assert np.array_equal(getattr(a, f"{part}_ids"), getattr(b, f"{part}_ids"))
+    assert (a.class_weights is None) == (b.class_weights is None)
+    if a.class_weights is not None:
+        assert np.array_equal(a.class_weights, b.class_weights)
+
+
+@pytest.mark.parametrize("dataset,overrides", [
+    ("digits-domains", []),
+    ("digits-domains", ["+dataset.augment=crop-flip", "dataset.new_clients_per_domain=1"]),
+    ("digits-domains", ["dataset.split=pflbed"]),
+])
+def test_a_cached_split_is_the_built_one(tmp_path, monkeypatch, dataset, overrides):
+    cfg = compose_config({"dataset": dataset}, overrides)
+    built = build_federated_data(cfg.dataset, 3)
+    ids = [*built.clients, *built.new_clients]
+    first = {cid: load_client_data(cfg.dataset, 3, cid, tmp_path) for cid in ids}
+
+    def no_build(*_args, **_kw):
+        raise AssertionError("built again although the cache holds this config")
+
+    monkeypatch.setattr(data_cache, "load_federated_data", no_build)
+    data_cache._IN_PROCESS.clear()   # read the files, not this process's copies
+    for cid in ids:
+        split, info = load_client_data(cfg.dataset, 3, cid, tmp_path)
+        _same_split(split, built.client(cid))
+        _same_split(first[cid][0], built.client(cid))
+        assert info.client_ids == tuple(built.clients) and info.new_client_ids == tuple(built.new_clients)
+        assert (info.name, info.num_classes, info.input_shape) == \
+            (built.name, built.num_classes, tuple(built.input_shape))
+
+
+def test_the_key_follows_the_config_and_seed():
+    a = compose_config({}, []).dataset
+    b = compose_config({}, ["dataset.clients_per_domain=3"]).dataset
+    assert cache_key(a, 0) == cache_key(a, 0)
+    assert len({cache_key(a, 0), cache_key(a, 1), cache_key(b, 0)}) == 3
+
+
+def test_a_damaged_cache_file_is_rebuilt(tmp_path):
+    cfg = compose_config({}, []).dataset
+    load_client_data(cfg, 0, "1", tmp_path)
+    (path,) = (tmp_path / cache_key(cfg, 0)).glob("1.npz")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    split, _ = load_client_data(cfg, 0, "1", tmp_path)
+    _same_split(split, build_federated_data(cfg, 0).client("1"))
+
+
+def test_unknown_client_and_cache_settings(tmp_path):
+    cfg = compose_config({}, []).dataset
+    with pytest.raises(ValueError, match="not in dataset"):
+        load_client_data(cfg, 0, "99", tmp_path)
+    assert resolve_cache_dir("off") is None
+    assert resolve_cache_dir(str(tmp_path)) == tmp_path
+    assert resolve_cache_dir("auto") is not None
+
+
+def test_image_folders_are_not_cached(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "tree"
+    for d in ("a", "b"):
+        for c in ("x", "y"):
+            (root / d / c).mkdir(parents=True)
+            for i in range(6):
+                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / d / c / f"{i}.png")
+    cfg = compose_config({"dataset": "imagefolder"}, [f"dataset.root={root}", "dataset.image_size=8"]).dataset
+    split, info = load_client_data(cfg, 0, "0", tmp_path / "cache")
+    assert info.num_classes == 2 and tensor_view(split.train) is None
+    assert not (tmp_path / "cache" / cache_key(cfg, 0)).exists()

@@ -1,0 +1,51 @@
+"""GPU by default: simulated clients get a GPU share when CUDA is present (Ray hides the
+GPU from actors that reserve none), and ``device=cuda`` that cannot work is refused early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learning.config import ConfigError, compose_config
+from ops.cli import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
+from tests.conftest import pflower
+
+
+@pytest.mark.parametrize(("clients", "gpus", "cpus", "per_client", "expected"), [
+    (8, 0, 16, 1.0, 0.0),        # no GPU: nothing to share
+    (8, 1, 16, 1.0, 1 / 8),      # 8 clients fit at once on 16 cores: an eighth each
+    (3, 1, 16, 1.0, 1 / 3),      # only 3 clients: a third each
+    (8, 1, 2, 1.0, 1 / 2),       # 2 cores run 2 clients at once: half a GPU each
+    (100, 1, 64, 1.0, 1 / ACTORS_PER_GPU),   # never more than ACTORS_PER_GPU per GPU
+    (18, 2, 16, 1.0, 1 / 8),     # 16 at once over 2 GPUs
+])
+def test_gpu_share(clients, gpus, cpus, per_client, expected):
+    assert gpu_share(clients, gpus, cpus, per_client) == pytest.approx(expected)
+
+
+def _pretend_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_cuda_machine_gives_clients_a_share_unless_told(monkeypatch):
+    cfg = compose_config({}, [])
+    _pretend_gpus(monkeypatch, 1)
+    assert resolve_gpu_share(cfg, 8, None, 1.0) > 0
+    assert resolve_gpu_share(cfg, 8, 0.0, 1.0) == 0.0        # --num-gpus 0: CPU on purpose
+    assert resolve_gpu_share(cfg, 8, 0.5, 1.0) == 0.5
+    cuda = compose_config({}, ["device=cuda"])
+    with pytest.raises(ConfigError, match="--num-gpus 0"):
+        resolve_gpu_share(cuda, 8, 0.0, 1.0)
+    _pretend_gpus(monkeypatch, 0)
+    assert resolve_gpu_share(cfg, 8, None, 1.0) == 0.0
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        resolve_gpu_share(cuda, 8, None, 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_pflower_run_device_cuda_without_a_gpu_stops_before_starting(tmp_path):
+    out = pflower("run", "device=cuda", "rounds=1", f"results_root={tmp_path}", timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no CUDA GPU" in out.stderr and "device=auto" in out.stderr
+    assert not any(tmp_path.iterdir())   # nothing started, no run folder
