@@ -22,6 +22,7 @@ from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
     NUM_PARTITIONS,
+    NUM_VAL_EXAMPLES,
     config_dict,
     from_record,
     make_reply,
@@ -151,7 +152,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
     state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
-    metrics = trainer.evaluate(rnd, payload, state)
+    metrics = {**trainer.evaluate(rnd, payload, state), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
     return make_reply(msg, {}, metrics, rnd.client_id, len(rnd.data.test))
 
 

@@ -23,6 +23,8 @@ ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 NUM_EXAMPLES = "num-examples"
+# evaluate replies also carry the validation split's size (sample-weighted best-round choice)
+NUM_VAL_EXAMPLES = "num-val-examples"
 CLIENT_INDEX = "client-index"     # int: participating client index, or -1 for named clients
 NEW_CLIENT_INDEX = "new-client-index"
 

@@ -204,6 +204,9 @@ def validate_config(cfg: DictConfig) -> None:
     check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
     check("train.batch_size", int, lambda v: v >= 1, ">= 1")
     check("finetune.every", int, lambda v: v >= 0, ">= 0 (0 = fine-tune at the final evaluation only)")
+    if str(cfg.get("best_round_by", "mean")) not in ("mean", "weighted"):
+        problems.append(f"best_round_by must be mean (over clients) or weighted (by validation size), "
+                        f"got {cfg.best_round_by!r}")
     if str(cfg.finetune.part) not in ("full", "head", "body"):
         problems.append(f"finetune.part must be full, head or body, got {cfg.finetune.part!r}")
     # (whether the resume folder and its checkpoint exist is checked where the server runs:

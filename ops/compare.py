@@ -8,7 +8,8 @@ clients is present (the same model preferred, any model otherwise: R-Acc compare
 client with what it reaches alone, whatever the method's model), FEDORA's relative accuracy (R-Acc: mean over clients of
 (acc - acc_local) / acc_local, so 0 = as good as Local) and positive transfer ratio (PTR:
 share of clients whose accuracy beats Local's) are added, computed per seed and client
-against the Local run with the same seed.
+against the Local run with the same seed, at the final round and (when every summary records
+it) at each run's best-validation round, as FEDORA's authors report them.
 """
 
 from __future__ import annotations
@@ -38,16 +39,28 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any]) -> tuple[float, float]:
+def client_accuracies(run: Mapping[str, Any], at: str = "final") -> dict[str, float]:
+    """Per-client test accuracy of a run at its final round (``at="final"``) or at its
+    best-validation round (``at="best"``; summaries written before that was recorded have
+    none: {})."""
+    if at == "best":
+        return {c: float(a) for c, a in run.get("best_clients", {}).items()}
+    return {c: float(m["accuracy"]) for c, m in run["clients"].items()}
+
+
+def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any], at: str = "final") -> tuple[float, float]:
     """(R-Acc, PTR) of one run against the Local run of the same seed and splits (FEDORA,
     KDD 2023): R-Acc = mean_k (acc_k - acc_k^local) / acc_k^local, PTR = mean_k
-    [acc_k > acc_k^local]."""
-    common = sorted(set(run["clients"]) & set(local["clients"]))
+    [acc_k > acc_k^local]; both runs at their final round, or (``at="best"``) each at its
+    best-validation round, as FEDORA's authors report."""
+    mine, theirs = client_accuracies(run, at), client_accuracies(local, at)
+    common = sorted(set(mine) & set(theirs))
     if not common:
-        raise ValueError(f"runs {run['_dir']} and {local['_dir']} share no clients")
+        raise ValueError(f"runs {run['_dir']} and {local['_dir']} share no clients"
+                         + (" with best-round accuracies" if at == "best" else ""))
     ratios, wins = [], []
     for cid in common:
-        a, b = float(run["clients"][cid]["accuracy"]), float(local["clients"][cid]["accuracy"])
+        a, b = mine[cid], theirs[cid]
         ratios.append((a - b) / b if b > 0 else (0.0 if a == 0 else float("inf")))
         wins.append(a > b)
     return float(np.mean(ratios)), float(np.mean(wins))
@@ -79,8 +92,11 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     local_runs = [r for r in runs if r["strategy"] == "local"]
     show_rel = bool(local_runs)
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
+    show_best_rel = show_rel and all(r.get("best_clients") for r in runs)
     if show_rel:
         header += ["R-Acc", "PTR"]
+    if show_best_rel:
+        header += ["R-Acc @ best val", "PTR @ best val"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows_for_plot = []
     for (strategy, dataset, model), members in sorted(groups.items()):
@@ -90,6 +106,10 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
             cells.append(_fmt([r[key] for r in members if key in r]))
         if show_rel:
             rel = [relative_to_local(r, local) for r in members
+                   if (local := matching_local(r, local_runs)) is not None]
+            cells += [_fmt([x[0] for x in rel]), _fmt([x[1] for x in rel])]
+        if show_best_rel:
+            rel = [relative_to_local(r, local, at="best") for r in members
                    if (local := matching_local(r, local_runs)) is not None]
             cells += [_fmt([x[0] for x in rel]), _fmt([x[1] for x in rel])]
         lines.append("| " + " | ".join(cells) + " |")

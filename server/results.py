@@ -181,7 +181,8 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
     if not evals:
         raise RuntimeError("no evaluation round completed; nothing to summarise")
     last = evals[-1]
-    best = max(best_round_candidates(evals), key=lambda r: r["evaluate"].get("val_accuracy_mean", -1.0))
+    by = best_round_metric(cfg)
+    best = max(best_round_candidates(evals), key=lambda r: r["evaluate"].get(by, -1.0))
     per_client = last["clients"]
     summary: dict[str, Any] = {
         "status": status,
@@ -199,6 +200,10 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
         "best_accuracy_mean": best["evaluate"]["accuracy_mean"],
         "best_accuracy_min": best["evaluate"]["accuracy_min"],
         "best_val_accuracy_mean": best["evaluate"].get("val_accuracy_mean"),
+        "best_round_by": by,
+        "best_val_accuracy": best["evaluate"].get(by),
+        # per-client test accuracy at the best round (R-Acc/PTR there, as FEDORA's authors)
+        "best_clients": {cid: m["accuracy"] for cid, m in best.get("clients", {}).items()},
         "clients": {},
     }
     for key in ("global_accuracy", "ft_accuracy"):
@@ -243,6 +248,13 @@ def pooled_accuracy(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, 
     if total <= 0:
         return {}
     return {"accuracy_all": sum(float(m["accuracy"]) * sizes[c] for c, m in per_client.items()) / total}
+
+
+def best_round_metric(cfg: DictConfig) -> str:
+    """The evaluation metric the best round maximises: ``val_accuracy_mean`` (mean over
+    clients, the default) or ``val_accuracy_weighted`` (weighted by each client's validation
+    size, as flgo-based code such as FDSE's selects; ``best_round_by: weighted``)."""
+    return "val_accuracy_weighted" if str(cfg.get("best_round_by", "mean")) == "weighted" else "val_accuracy_mean"
 
 
 def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:

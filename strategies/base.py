@@ -39,6 +39,7 @@ from common.protocol import (
     METRICS_KEY,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
+    NUM_VAL_EXAMPLES,
     decode_client_id,
     from_record,
     to_record,
@@ -511,14 +512,22 @@ class PersonalizedStrategy(Strategy):
 
 
 def summarise_clients(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Mean, min and std over clients of every metric all clients reported."""
+    """Mean, min and std over clients of every metric all clients reported, and the
+    sample-weighted validation accuracy ``val_accuracy_weighted`` = sum_k a_k n_k / sum_k n_k
+    (n_k = client k's validation size), the quantity flgo-based code (FDSE's) selects the
+    best round on."""
     keys = set.intersection(*(set(m) for m in per_client.values()))
     out: dict[str, float] = {"clients": float(len(per_client))}
     for k in sorted(keys):
-        if k in (NUM_EXAMPLES, "client-index", "new-client-index"):
+        if k in (NUM_EXAMPLES, NUM_VAL_EXAMPLES, "client-index", "new-client-index"):
             continue
         vals = np.array([m[k] for m in per_client.values()], dtype=np.float64)
         out[f"{k}_mean"], out[f"{k}_min"], out[f"{k}_std"] = float(vals.mean()), float(vals.min()), float(vals.std())
+    if {"val_accuracy", NUM_VAL_EXAMPLES} <= keys:
+        sizes = np.array([m[NUM_VAL_EXAMPLES] for m in per_client.values()], dtype=np.float64)
+        accs = np.array([m["val_accuracy"] for m in per_client.values()], dtype=np.float64)
+        if sizes.sum() > 0:
+            out["val_accuracy_weighted"] = float((accs * sizes).sum() / sizes.sum())
     return out
 
 
