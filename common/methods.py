@@ -11,7 +11,10 @@ contract test (``tests/test_method_contract.py``) then checks it.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,25 +118,58 @@ def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     return read_options(method(name, strategy).options, strategy)
 
 
+# built models per process: (key) -> (template, last seed set, CPU RNG state after building)
+_BUILT: OrderedDict[str, tuple[nn.Module, int, Any]] = OrderedDict()
+_BUILT_MAX = 4
+
+
 def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
                        num_classes: int) -> nn.Module:
     """The model a method trains, identical on server and client: the configured network
     (``cfg.model``) initialised from ``cfg.seed``, or the method's wrapper around copies of
-    it (copy k initialised from ``seed + 1000 k``; copy 0 is the plain network)."""
+    it (copy k initialised from ``seed + 1000 k``; copy 0 is the plain network).
+
+    A client builds this model several times per message; a process builds it once per
+    configuration and hands out deep copies (construction and random initialisation, or
+    loading pretrained weights, cost more than copying). The global torch RNG is left
+    exactly as building it leaves it (seeded, then advanced by the initialisation), so
+    later random draws (dropout) do not depend on whether the model came from the cache."""
     import torch
+
+    key = json.dumps([_plain(cfg["model"]), _plain(cfg["strategy"]), int(cfg["seed"]),
+                      list(input_shape), int(num_classes)], sort_keys=True, default=str)
+    if key in _BUILT:
+        template, last_seed, rng_after = _BUILT[key]
+        _BUILT.move_to_end(key)
+        torch.manual_seed(last_seed)       # CUDA generators as building leaves them
+        torch.set_rng_state(rng_after)     # CPU generator as building leaves it
+        return copy.deepcopy(template)
 
     from learning.models import build_model
 
     seed = int(cfg["seed"])
+    seeds: list[int] = []
 
     def make(k: int) -> nn.Module:
-        torch.manual_seed(seed + 1000 * k)
+        seeds.append(seed + 1000 * k)
+        torch.manual_seed(seeds[-1])
         return build_model(cfg["model"], input_shape, num_classes)
 
     row = method(str(cfg["strategy"].get("name", "")), cfg["strategy"])
-    if not row.wrapper:
-        return make(0)
-    return _load(row.wrapper)(make, method_options(cfg["strategy"]))  # type: ignore[operator]
+    model = make(0) if not row.wrapper else _load(row.wrapper)(make, method_options(cfg["strategy"]))  # type: ignore[operator]
+    _BUILT[key] = (copy.deepcopy(model), seeds[-1], torch.get_rng_state())
+    while len(_BUILT) > _BUILT_MAX:
+        _BUILT.popitem(last=False)
+    return model
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain containers (for a cache key)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(node, DictConfig | ListConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
 
 
 def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, str]:

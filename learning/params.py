@@ -85,3 +85,37 @@ def weighted_mean(arrays_list: list[NDArrays], weights: list[float],
         mean = acc.cpu().numpy()
         out[key] = mean.astype(dtype, copy=False) if floating else np.rint(mean).astype(dtype)
     return out
+
+
+def float_dtype_of(values: Iterable[object]) -> torch.dtype:
+    """The dtype a rule computes K clients' tensors in: float64 if any input is float64,
+    float32 otherwise (float16/bfloat16 and integer inputs are widened to float32)."""
+    for v in values:
+        dt = v.dtype if isinstance(v, torch.Tensor) else np.asarray(v).dtype
+        if dt in (torch.float64, np.float64):
+            return torch.float64
+    return torch.float32
+
+
+def stack_rows(values: list[object], device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """K same-size arrays or tensors as one (K, d) tensor of rows (flattened), on ``device``
+    (default :func:`aggregation_device`), in ``dtype`` (default :func:`float_dtype_of`).
+
+    The one copy a K x K rule needs (a matrix product wants its operand contiguous);
+    numpy inputs are wrapped without a copy first. Sizes are checked by the caller."""
+    device = device or aggregation_device()
+    dtype = dtype or float_dtype_of(values)
+    k = len(values)
+    first = values[0]
+    size = int(first.numel()) if isinstance(first, torch.Tensor) else int(np.asarray(first).size)
+    out = torch.empty((k, size), dtype=dtype, device=device)
+    host = out.numpy() if device.type == "cpu" else None
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            out[i].copy_(v.detach().reshape(-1), non_blocking=True)
+        elif host is not None:  # numpy into numpy: also takes read-only arrays (Flower's records)
+            np.copyto(host[i], np.asarray(v).reshape(-1), casting="unsafe")
+        else:
+            out[i].copy_(torch.from_numpy(np.array(v, copy=not np.asarray(v).flags.writeable)).reshape(-1))
+    return out

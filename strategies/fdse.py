@@ -128,13 +128,14 @@ class FDSE(PersonalizedStrategy):
         deltas = []
         for u in uploaded:
             sent = self._sent.get(u.node_id, self.global_arrays)
-            deltas.append({k: np.asarray(u.arrays[k], np.float64) - np.asarray(sent[k], np.float64)
-                           for k in self.groups["consensus"]})
+            # in the tensors' own precision (float32 models: no float64 copies)
+            deltas.append({k: np.subtract(u.arrays[k], sent[k]) for k in self.groups["consensus"]})
         step, weights = consensus_update_many(deltas, tol=self.tol, zero_policy=self.zero_policy,
                                               return_weights=True)
+        del deltas
         for k, d in step.items():
             old = np.asarray(self.global_arrays[k])
-            self.global_arrays[k] = (old.astype(np.float64) + d).astype(old.dtype)
+            self.global_arrays[k] = (old + d).astype(old.dtype, copy=False)
         # --- shared BN running statistics: plain mean; counters: rounded mean
         stats_keys = self.groups["bn_stats"] + self.groups["counters"]
         if stats_keys:

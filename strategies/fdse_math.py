@@ -1,6 +1,10 @@
 """Server-side math of FDSE (Wang et al., "Federated Domain Shift Eraser", CVPR 2025).
 
-Pure numpy (torch tensors are accepted as inputs and converted); no Flower import.
+numpy and torch (numpy arrays or torch tensors in); no Flower import. The O(K^2 d) parts
+(Gram matrices, mixing) run in torch on the aggregation device (the GPU when there is one,
+``PFLOWER_AGG_DEVICE`` overrides), in the inputs' precision: float32 model tensors are
+stacked once and multiplied in float32 (no float64 copies), float64 inputs stay float64;
+only the K x K problems are solved in float64.
 
 Contents
 --------
@@ -58,6 +62,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
+
+from learning.params import stack_rows
 
 __all__ = [
     "min_norm_weights",
@@ -428,6 +435,37 @@ def _consensus_from_gram(
     return gram, mask
 
 
+def _rows_and_gram(values: Sequence[Any], name: str) -> tuple[torch.Tensor, tuple[int, ...], np.ndarray]:
+    """K same-shape tensors as (K, d) rows on the aggregation device, their shape and their
+    K x K Gram matrix ``X X^T`` (one matrix product, in the inputs' precision, returned in
+    float64). A client whose values are not finite is named: its Gram diagonal
+    (sum of squares) is then not finite, so no extra pass over the data is needed."""
+    if isinstance(values, np.ndarray) and values.ndim >= 1:
+        values = list(values)
+    if len(values) == 0:
+        raise ValueError(f"{name}: need at least one client")
+    shapes = [tuple(v.shape) if hasattr(v, "shape") else np.shape(v) for v in values]
+    for i, shape in enumerate(shapes):
+        if shape != shapes[0]:
+            raise ValueError(f"{name}: client {i} has shape {shape}, expected {shapes[0]}")
+    try:
+        rows = stack_rows(list(values))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: cannot convert to a floating array ({exc})") from exc
+    gram = (rows @ rows.T).double().cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(np.diag(gram)))
+    if bad.size:
+        raise ValueError(f"{name}[{int(bad[0])}] contains NaN or infinite values")
+    return rows, shapes[0], gram
+
+
+def _combine(rows: torch.Tensor, norms: np.ndarray, w: np.ndarray) -> torch.Tensor:
+    """``mean_k ||delta_k|| * sum_k w_k delta_k / ||delta_k||`` as one (1 x K)(K x d) product."""
+    nz = (norms > 0) & (w > 0)
+    coef = np.where(nz, w / np.where(nz, norms, 1.0), 0.0) * float(norms.mean())
+    return torch.as_tensor(coef, dtype=rows.dtype, device=rows.device) @ rows
+
+
 def consensus_update(
     updates: Sequence[np.ndarray],
     tol: float = _DEFAULT_TOL,
@@ -439,8 +477,8 @@ def consensus_update(
 
     ``delta_k`` = client k's update (its local tensor minus the global tensor it received).
     ``d_k = delta_k / ||delta_k||``, ``u = min_norm_weights(d)``, and the returned update is
-    ``mean_k ||delta_k|| * sum_k u_k d_k`` (same shape as the inputs, float64). The new
-    global tensor is ``old + update``.
+    ``mean_k ||delta_k|| * sum_k u_k d_k`` (same shape as the inputs; float64 for float64
+    inputs, float32 otherwise). The new global tensor is ``old + update``.
 
     Zero updates (``||delta_k|| = 0``) have no direction. ``zero_policy="exclude"`` (default)
     leaves them out of the min-norm problem (weight 0) while their norm 0 still counts in the
@@ -450,19 +488,9 @@ def consensus_update(
 
     Returns the update, or ``(update, weights)`` if ``return_weights``.
     """
-    flats, shape, norms = _prepare_updates(updates, "consensus_update")
-    gram, mask = _consensus_from_gram(gram_matrix(flats), norms, zero_policy)
-    w = min_norm_weights_batched(gram[None], tol=tol, max_iter=max_iter, mask=mask[None])[0]
-    out = _combine(flats, norms, w).reshape(shape)
-    return (out, w) if return_weights else out
-
-
-def _combine(flats: list[np.ndarray], norms: np.ndarray, w: np.ndarray) -> np.ndarray:
-    out = np.zeros(flats[0].size)
-    for f, n, wk in zip(flats, norms, w, strict=True):
-        if n > 0 and wk > 0:
-            out += (wk / n) * f
-    return float(norms.mean()) * out
+    out, weights = consensus_update_many([{"u": u} for u in updates], tol=tol, max_iter=max_iter,
+                                         zero_policy=zero_policy, return_weights=True)
+    return (out["u"], weights["u"]) if return_weights else out["u"]
 
 
 def consensus_update_many(
@@ -480,9 +508,10 @@ def consensus_update_many(
         tol, max_iter, zero_policy: as in :func:`consensus_update`.
         return_weights: also return ``{key: weights[K]}``.
 
-    The K x K Gram matrix of each tensor is formed once (chunked), then all tensors' QPs
-    are solved in one batched call (:func:`min_norm_weights_batched`). Returns
-    ``{key: update}`` (float64 arrays of the original shapes).
+    Per tensor the K updates are stacked once and their K x K Gram matrix is one matrix
+    product; all tensors' QPs are then solved in one batched call
+    (:func:`min_norm_weights_batched`) and each update is one (1 x K)(K x d) product.
+    Returns ``{key: update}`` (arrays of the original shapes, in the inputs' precision).
     """
     if len(updates_per_client) == 0:
         raise ValueError("consensus_update_many: need at least one client")
@@ -495,11 +524,10 @@ def consensus_update_many(
     prepared = {}
     grams, masks = [], []
     for key in keys:
-        flats, shape, norms = _prepare_updates(
-            [d[key] for d in updates_per_client], f"update[{key!r}]"
-        )
-        gram, mask = _consensus_from_gram(gram_matrix(flats), norms, zero_policy)
-        prepared[key] = (flats, shape, norms)
+        rows, shape, raw = _rows_and_gram([d[key] for d in updates_per_client], f"update[{key!r}]")
+        norms = np.sqrt(np.maximum(np.diag(raw), 0.0))
+        gram, mask = _consensus_from_gram(raw, norms, zero_policy)
+        prepared[key] = (rows, shape, norms)
         grams.append(gram)
         masks.append(mask)
     weights = min_norm_weights_batched(
@@ -507,8 +535,8 @@ def consensus_update_many(
     )
     out, wdict = {}, {}
     for key, w in zip(keys, weights, strict=True):
-        flats, shape, norms = prepared[key]
-        out[key] = _combine(flats, norms, w).reshape(shape)
+        rows, shape, norms = prepared.pop(key)
+        out[key] = _combine(rows, norms, w).cpu().numpy().reshape(shape)
         wdict[key] = w
     return (out, wdict) if return_weights else out
 
@@ -520,25 +548,36 @@ def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def _check_tau(tau: float) -> float:
+    tau = float(tau)
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"attention_mix: tau must be positive and finite, got {tau}")
+    return tau
+
+
+def _attention_rows(rows: torch.Tensor, gram: np.ndarray, tau: float) -> torch.Tensor:
+    """``softmax(cos / tau) @ rows`` with the cosines read off the Gram matrix (a zero row
+    has cosine 0 with every row, itself included); the K x K softmax in float64."""
+    norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
+    inv = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1.0), 0.0)
+    attn = _softmax(gram * inv[:, None] * inv[None, :] / tau, axis=1)
+    return torch.as_tensor(attn, dtype=rows.dtype, device=rows.device) @ rows
+
+
 def attention_mix(params: np.ndarray, tau: float) -> np.ndarray:
     """Similarity-aware personalised aggregation (FDSE Eq. 9).
 
     ``Q = K = rows of params normalised to unit length``, ``V = params``; returns
     ``softmax(Q K^T / tau) V`` with the softmax taken row-wise, i.e. row i is
     ``sum_j softmax_j(cos(p_i, p_j) / tau) p_j`` (self included). A zero row has cosine 0
-    with every row (itself included). Input K x d, output K x d float64.
+    with every row (itself included). Input K x d, output K x d (float64 for float64 input,
+    float32 otherwise).
     """
-    p = _to_numpy(params, "params")
-    if p.ndim != 2 or p.shape[0] == 0:
-        raise ValueError(f"attention_mix: params must be K x d with K >= 1, got {p.shape}")
-    _check_finite(p, "params")
-    tau = float(tau)
-    if not (tau > 0 and math.isfinite(tau)):
-        raise ValueError(f"attention_mix: tau must be positive and finite, got {tau}")
-    norms = np.linalg.norm(p, axis=1)
-    q = np.divide(p, norms[:, None], out=np.zeros_like(p), where=norms[:, None] > 0)
-    attn = _softmax((q @ q.T) / tau, axis=1)
-    return attn @ p
+    if getattr(params, "ndim", np.ndim(params)) != 2 or len(params) == 0:
+        raise ValueError(f"attention_mix: params must be K x d with K >= 1, got {np.shape(params)}")
+    tau = _check_tau(tau)
+    rows, _, gram = _rows_and_gram(list(params), "params")
+    return _attention_rows(rows, gram, tau).cpu().numpy()
 
 
 def attention_mix_many(
@@ -546,12 +585,14 @@ def attention_mix_many(
 ) -> list[dict[str, np.ndarray]]:
     """Per-tensor :func:`attention_mix` over K dicts with identical keys and shapes.
 
-    Each tensor is flattened to a K x d matrix, mixed, and reshaped. Non-floating tensors
-    (e.g. ``num_batches_tracked``) are not mixed: each client keeps its own value. Returns K
-    dicts of numpy arrays (float64 for mixed tensors).
+    Each tensor is stacked to a K x d matrix once; the cosines come from its Gram matrix and
+    the mix is one (K x K)(K x d) product. Non-floating tensors (e.g.
+    ``num_batches_tracked``) are not mixed: each client keeps its own value. Returns K dicts
+    of numpy arrays (mixed tensors in the inputs' precision).
     """
     if len(params_per_client) == 0:
         raise ValueError("attention_mix_many: need at least one client")
+    tau = _check_tau(tau)
     keys = list(params_per_client[0].keys())
     for i, d in enumerate(params_per_client):
         if set(d.keys()) != set(keys):
@@ -563,15 +604,9 @@ def attention_mix_many(
             for i, v in enumerate(vals):
                 out[i][key] = v.detach().cpu().numpy() if hasattr(v, "detach") else np.array(v)
             continue
-        arrs = [_to_numpy(v, key) for v in vals]
-        shape = arrs[0].shape
-        for i, a in enumerate(arrs):
-            if a.shape != shape:
-                raise ValueError(
-                    f"attention_mix_many: {key!r} of client {i} has shape {a.shape}, expected {shape}"
-                )
-        mixed = attention_mix(np.stack([a.reshape(-1) for a in arrs]), tau)
-        for i in range(len(arrs)):
+        rows, shape, gram = _rows_and_gram(vals, f"attention_mix_many: {key!r}")
+        mixed = _attention_rows(rows, gram, tau).cpu().numpy()
+        for i in range(len(vals)):
             out[i][key] = mixed[i].reshape(shape)
     return out
 

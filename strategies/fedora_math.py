@@ -29,6 +29,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
+
+from learning.params import aggregation_device
 
 __all__ = [
     "SIMILARITY_FORMS",
@@ -323,8 +326,9 @@ def propagate(
 
     i.e. ``Theta_hat = (1 - a) (I - a P)^-1 Theta`` with ``a = alpha / (1 + alpha)``,
     ``P = D^-1 W``, ``D = diag(row sums of W)``. Since P is row-stochastic and
-    0 < a < 1, ``I - a P`` is strictly diagonally dominant, hence invertible; the system
-    is solved for all columns at once with ``np.linalg.solve`` (no explicit inverse).
+    0 < a < 1, ``I - a P`` is strictly diagonally dominant, hence invertible and well
+    conditioned (cond <= (1 + a)/(1 - a)); the K x K operator :func:`propagation_matrix` is
+    solved for once in float64 and applied to all columns as one matrix product.
     Note: the authors' code hard-codes ``a = 0.8`` (``pa = 0.8``), i.e. ``alpha = 4``.
 
     Args:
@@ -344,10 +348,8 @@ def propagate(
             theta = theta.astype(np.float64)
         else:
             raise ValueError(f"theta must be a real array, got dtype {theta.dtype}")
-    if not np.all(np.isfinite(theta)):
-        raise ValueError("theta contains NaN or infinite values")
-    op = _propagation_system(w, alpha, theta.shape[0], isolated)
-    return _solve(op, theta)
+    mixing = propagation_matrix(w, alpha, theta.shape[0], isolated)
+    return _mix(mixing, theta, "theta")
 
 
 def propagate_many(
@@ -357,15 +359,14 @@ def propagate_many(
     *,
     isolated: str = "error",
 ) -> dict[str, np.ndarray]:
-    """:func:`propagate` applied to several tensors with one factorisation.
+    """:func:`propagate` applied to several tensors with one K x K operator.
 
-    Each value is a (K, ...) array (client k's tensor in row k). All tensors are
-    flattened and stacked column-wise into one (K, D) matrix, ``D = sum of sizes``, the
-    K x K system is solved once for all D columns, and the result is split back into the
-    original names and shapes. The solve runs in the widest floating dtype of the inputs
-    (at least float32; the K x K system is well conditioned: cond <= (1 + a)/(1 - a));
-    each output keeps its input's dtype. Only floating tensors are accepted: leave
-    integer buffers (e.g. BatchNorm ``num_batches_tracked``) out.
+    Each value is a (K, ...) array (client k's tensor in row k). The K x K propagation
+    matrix ``M = (1 - a)(I - a D^-1 W)^-1`` is formed once (float64 solve; the system is
+    well conditioned: cond <= (1 + a)/(1 - a)); each tensor is then one (K x K)(K x d)
+    product in its own precision (float32 stays float32, no stacked or float64 copy of
+    the model), on the aggregation device (the GPU when there is one). Only floating
+    tensors are accepted: leave integer buffers (e.g. BatchNorm ``num_batches_tracked``) out.
 
     Args:
         thetas: name -> (K, ...) floating array; all with the same K.
@@ -396,23 +397,32 @@ def propagate_many(
                 f"all tensors must have the same number of clients K in axis 0; got "
                 f"{num} and {arr.shape[0]} (thetas[{name!r}])"
             )
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"thetas[{name!r}] contains NaN or infinite values")
         arrays[name] = arr
     assert num is not None
-    dtype = np.result_type(np.float32, *[a.dtype for a in arrays.values()])
-    op = _propagation_system(w, alpha, num, isolated)
-    stacked = np.concatenate(
-        [a.reshape(num, -1).astype(dtype, copy=False) for a in arrays.values()], axis=1
-    )
-    out = _solve(op, stacked)
-    result: dict[str, np.ndarray] = {}
-    start = 0
-    for name, arr in arrays.items():
-        size = int(np.prod(arr.shape[1:], dtype=np.int64))
-        result[name] = out[:, start : start + size].reshape(arr.shape).astype(arr.dtype)
-        start += size
-    return result
+    mixing = propagation_matrix(w, alpha, num, isolated)
+    return {name: _mix(mixing, arr, f"thetas[{name!r}]") for name, arr in arrays.items()}
+
+
+def propagation_matrix(w: np.ndarray, alpha: float, num: int, isolated: str = "error") -> np.ndarray:
+    """The K x K operator ``M = (1 - a)(I - a D^-1 W)^-1`` (a = alpha / (1 + alpha)) with
+    ``Theta_hat = M Theta``: the inverse of :func:`_propagation_system`, float64. Its
+    entries are non-negative and its rows sum to 1 (a convex mix of the clients)."""
+    return np.linalg.solve(_propagation_system(w, alpha, num, isolated), np.eye(num))
+
+
+def _mix(mixing: np.ndarray, arr: np.ndarray, name: str) -> np.ndarray:
+    """``mixing @ arr.reshape(K, -1)`` in arr's precision (at least float32) on the
+    aggregation device, returned with arr's shape and dtype. A client row with NaN or
+    infinite values is named (its float64 row sum is then not finite; one pass)."""
+    flat = np.ascontiguousarray(arr).reshape(arr.shape[0], -1)
+    rows = torch.from_numpy(flat if flat.flags.writeable else flat.copy())
+    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    rows = rows.to(device=aggregation_device(), dtype=dtype)
+    bad = np.flatnonzero(~np.isfinite(rows.sum(dim=1, dtype=torch.float64).cpu().numpy()))
+    if bad.size:
+        raise ValueError(f"{name} contains NaN or infinite values (client row {int(bad[0])})")
+    out = torch.as_tensor(mixing, dtype=dtype, device=rows.device) @ rows
+    return out.cpu().numpy().reshape(arr.shape).astype(arr.dtype, copy=False)
 
 
 # ------------------------------------------------------------------------- lambda
@@ -514,8 +524,3 @@ def _propagation_system(w: np.ndarray, alpha: float, num: int, isolated: str) ->
     # with a = alpha / (1 + alpha): (I - a P) / (1 - a) = (1 + alpha) I - alpha P
     # (this form avoids dividing by 1 - a ~ 0 for large alpha)
     return (1.0 + alpha_f) * np.eye(num) - alpha_f * p
-
-
-def _solve(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    dtype = rhs.dtype
-    return np.linalg.solve(system.astype(dtype, copy=False), rhs).astype(dtype, copy=False)

@@ -73,3 +73,31 @@ def test_alexnet_bn_sizes_match_fedbn_and_fdse_table_a5():
     assert 1.25e7 < count(1024) < 1.35e7
     out = AlexNetBN(3, 10, 256, 1.0, 1024).eval()(torch.randn(2, 3, 256, 256))
     assert out.shape == (2, 10)
+
+
+@pytest.mark.parametrize(("strategy", "extra"), [("fedavg", ""), ("fedbasis", ""), ("partialfed-adaptive", ""),
+                                                  ("fdse", "model=fdse-alexnet")])
+def test_a_process_builds_a_model_once_and_copies_are_the_built_model(strategy: str, extra: str) -> None:
+    """build_method_model hands out copies of a per-process template: each copy equals a
+    model built from scratch, later random draws (dropout) are the same as after building,
+    and training one copy does not change the next."""
+    import torch
+
+    from common import methods
+    from learning.config import compose_config
+
+    cfg = compose_config({"strategy": strategy, "overrides": extra})
+    methods._BUILT.clear()
+    fresh = methods.build_method_model(cfg, (1, 8, 8), 10)
+    draw_fresh = torch.rand(5)
+    copied = methods.build_method_model(cfg, (1, 8, 8), 10)
+    draw_copied = torch.rand(5)
+    assert len(methods._BUILT) == 1
+    for (k, a), b in zip(fresh.state_dict().items(), copied.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+        if a.is_floating_point():
+            a.add_(1.0)  # train the first model
+    assert torch.equal(draw_fresh, draw_copied)
+    again = methods.build_method_model(cfg, (1, 8, 8), 10)
+    for a, b in zip(again.state_dict().values(), copied.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the template was not touched by training a copy
