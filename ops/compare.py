@@ -44,8 +44,23 @@ def client_accuracies(run: Mapping[str, Any], at: str = "final") -> dict[str, fl
     best-validation round (``at="best"``; summaries written before that was recorded have
     none: {})."""
     if at == "best":
-        return {c: float(a) for c, a in run.get("best_clients", {}).items()}
+        if "best_clients" in run:
+            return {c: float(a) for c, a in run["best_clients"].items()}
+        return _best_round_from_metrics(run)
     return {c: float(m["accuracy"]) for c, m in run["clients"].items()}
+
+
+def _best_round_from_metrics(run: Mapping[str, Any]) -> dict[str, float]:
+    """Per-client accuracy of the summary's best round read from the run's metrics.jsonl
+    (for summaries written before ``best_clients`` was recorded); {} if not there."""
+    path = Path(str(run.get("_dir", ""))) / "metrics.jsonl"
+    if "best_round" not in run or not path.exists():
+        return {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("round") == run["best_round"] and rec.get("clients"):
+            return {c: float(m["accuracy"]) for c, m in rec["clients"].items()}
+    return {}
 
 
 def relative_to_local(run: Mapping[str, Any], local: Mapping[str, Any], at: str = "final") -> tuple[float, float]:
@@ -92,7 +107,7 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     local_runs = [r for r in runs if r["strategy"] == "local"]
     show_rel = bool(local_runs)
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
-    show_best_rel = show_rel and all(r.get("best_clients") for r in runs)
+    show_best_rel = show_rel and all(client_accuracies(r, "best") for r in runs)
     if show_rel:
         header += ["R-Acc", "PTR"]
     if show_best_rel:

@@ -325,6 +325,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         to_toml_run_config,
     )
     from learning.data import DatasetError, num_clients
+    from learning.data_cache import fill_cache, resolve_cache_dir
     from server.results import RunFolderError, check_run_folder
 
     jobs: list[tuple[str, Path]] = []
@@ -348,6 +349,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             except RunFolderError as err:
                 raise ConfigError(str(err)) from err
             results_root = results_root or Path(cfg.results_root)
+            if not args.data_root:  # the SuperNodes on this machine then read their splits from the cache
+                fill_cache(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
             jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name))
     except (ConfigError, DatasetError) as err:
         print(f"pflower deploy: {err}", file=sys.stderr)

@@ -98,3 +98,18 @@ def test_a_run_reports_validation_sizes_and_picks_the_round_by_weighted_accuracy
     best = max(rounds, key=lambda r: _slow_weighted(r["clients"]))
     assert summary["best_round"] == best["round"] and summary["best_round_by"] == "val_accuracy_weighted"
     assert summary["best_clients"] == {c: m["accuracy"] for c, m in best["clients"].items()}
+
+
+def test_compare_reads_the_best_round_from_metrics_when_the_summary_predates_it(tmp_path: Path) -> None:
+    from ops.compare import client_accuracies
+
+    d = tmp_path / "old"
+    d.mkdir()
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"round": 1, "clients": {"0": {"accuracy": 0.3}, "1": {"accuracy": 0.4}}},
+        {"round": 2, "clients": {"0": {"accuracy": 0.9}, "1": {"accuracy": 0.6}}},
+        {"round": 3, "clients": {"0": {"accuracy": 0.5}, "1": {"accuracy": 0.5}}}]))
+    old = {"_dir": str(d), "best_round": 2, "clients": {"0": {"accuracy": 0.5}, "1": {"accuracy": 0.5}}}
+    assert client_accuracies(old, "best") == {"0": 0.9, "1": 0.6}
+    assert client_accuracies(old, "final") == {"0": 0.5, "1": 0.5}
+    assert client_accuracies({"_dir": str(tmp_path / "gone"), "best_round": 2, "clients": {}}, "best") == {}

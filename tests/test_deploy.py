@@ -99,6 +99,29 @@ def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):
     assert "--nodes 8" in capsys.readouterr().err
 
 
+def test_deploy_fills_the_data_cache_before_any_supernode_starts(tmp_path, monkeypatch):
+    """The SuperNodes' ClientApp processes on this machine then read their own split from the
+    cache: none of them builds the federated data set."""
+    from learning.data_cache import cache_key
+
+    started = []
+
+    class NoDeployment:
+        def __init__(self, *args, **kwargs) -> None:
+            started.append(sorted(p.name for p in tmp_path.joinpath("cache").iterdir()))
+            raise RuntimeError("stop before starting processes")
+
+    monkeypatch.setattr(deploy, "Deployment", NoDeployment)
+    with pytest.raises(RuntimeError, match="stop before"):
+        deploy.main(["--nodes", "3", "experiment=deploy-3", f"results_root={tmp_path}",
+                     f"data_cache={tmp_path / 'cache'}"])
+    from learning.config import compose_config
+
+    cfg = compose_config({"experiment": "deploy-3"})
+    assert started == [[cache_key(cfg.dataset, int(cfg.seed))]]
+    assert (tmp_path / "cache" / started[0][0] / "info.json").is_file()
+
+
 # ---------------------------------------------------------------------- helpers
 def _stop_tree(proc: subprocess.Popen) -> None:
     """Never leave a deployment behind, whatever happened in the test: Ctrl-C, then kill
