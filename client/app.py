@@ -7,6 +7,7 @@ Identity and data come from the node: ``partition-id`` (simulation) or ``client-
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from common.methods import trainer_class
 from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
+    EVALUATE_ROUND,
     NUM_PARTITIONS,
     NUM_VAL_EXAMPLES,
+    add_evaluation,
     config_dict,
     from_record,
     make_reply,
@@ -134,6 +137,13 @@ def train(msg: Message, context: Context) -> Message:
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
     scope = _state_scope(rnd, context)
     state, meta = store.load(max_round=rnd.server_round - 1, **scope)
+    evaluation = None
+    if rnd.config.get(EVALUATE_ROUND) is not None:
+        # the previous round's evaluation, riding on this message: the payload and the state
+        # are exactly what that round's evaluate message would have met (nothing changes in
+        # between), so the numbers are the same and a message (a process, in a deployment)
+        # is saved
+        evaluation = _evaluate_round(trainer, rnd, int(rnd.config[EVALUATE_ROUND]), payload, state)
     result = trainer.fit(rnd, payload, state)
     store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
                               # the rounds this state went through (survives SuperNode restarts)
@@ -144,7 +154,19 @@ def train(msg: Message, context: Context) -> Message:
         upload = {k: np.full_like(v, np.nan) if np.issubdtype(v.dtype, np.floating) else v
                   for k, v in upload.items()}
     extra = {k: to_record(v) for k, v in result.extra.items()}
-    return make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
+    reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
+    if evaluation is not None:
+        add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
+    return reply
+
+
+def _evaluate_round(trainer: Any, rnd: ClientRound, server_round: int, payload: dict[str, np.ndarray],
+                    state: dict[str, np.ndarray]) -> dict[str, float]:
+    """The metrics of an evaluate message of ``server_round`` (not the final one)."""
+    config = {**rnd.config, "server-round": server_round, "final": False}
+    config.pop(EVALUATE_ROUND, None)
+    at = replace(rnd, server_round=server_round, config=config)
+    return {**trainer.evaluate(at, dict(payload), dict(state)), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
 
 
 @app.evaluate()

@@ -25,6 +25,10 @@ METRICS_KEY = "metrics"
 NUM_EXAMPLES = "num-examples"
 # evaluate replies also carry the validation split's size (sample-weighted best-round choice)
 NUM_VAL_EXAMPLES = "num-val-examples"
+# evaluation carried by a training message: the train config names the (previous) round to
+# evaluate first; the reply holds that evaluation's metrics under EVAL_METRICS_KEY
+EVALUATE_ROUND = "evaluate-round"
+EVAL_METRICS_KEY = "eval-metrics"
 CLIENT_INDEX = "client-index"     # int: participating client index, or -1 for named clients
 NEW_CLIENT_INDEX = "new-client-index"
 
@@ -89,6 +93,15 @@ def make_reply(msg: Message, arrays: Mapping[str, np.ndarray], metrics: Mapping[
     for key, rec in (extra or {}).items():
         content[key] = rec
     return Message(content=content, reply_to=msg)
+
+
+def add_evaluation(reply: Message, metrics: Mapping[str, float], client_id: str, num_examples: int) -> Message:
+    """Attach an evaluation (metrics as an evaluate reply carries them) to a train reply."""
+    m = {k: float(v) for k, v in metrics.items()}
+    m[NUM_EXAMPLES] = int(num_examples)
+    m.update(encode_client_id(client_id))
+    reply.content[EVAL_METRICS_KEY] = MetricRecord(m)
+    return reply
 
 
 def config_dict(record: ConfigRecord | None) -> dict[str, object]:

@@ -1,5 +1,12 @@
 """The federation loop: rounds of train -> aggregate -> evaluate all -> record -> checkpoint.
 
+With ``eval_in_train`` (default) a round's evaluation rides on the next round's training
+messages: each client first evaluates what it received (the aggregate of the round before,
+on its unchanged private state: what an evaluate message would have carried), then trains;
+clients not sampled get an evaluate message. That halves the messages per round (in a
+deployment, one ClientApp process per message) and gives the same numbers; the final
+round's evaluation is its own step.
+
 Flower's ``Strategy.start`` runs train/evaluate rounds too; pflower drives the same
 strategy methods itself to add what PFL experiments need: evaluation of *every* client
 on its own test split, per-round records with communication and failures, server
@@ -12,12 +19,12 @@ import time
 from logging import INFO
 from typing import Any
 
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from common.protocol import to_record
+from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
 from server.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -57,11 +64,21 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
     strategy.summary()
     # resume-round tells clients which of their saved state versions are valid
     base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds, "resume-round": start - 1}
+    fuse = bool(cfg.get("eval_in_train", True)) and strategy.fuses_evaluation
+    # the round whose evaluation rides on the next round's training messages (also after a
+    # resume from a checkpoint taken before that evaluation arrived)
+    pending = start - 1 if (fuse and recorder.rounds and start > 1
+                            and "evaluate" not in recorder.rounds[-1]
+                            and _is_eval_round(start - 1, cfg)) else None
     for rnd in range(start, rounds + 1):
         t0 = time.monotonic()
+        train_config = {**base_config, **({EVALUATE_ROUND: pending} if pending is not None else {})}
         messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
-                                                 ConfigRecord(dict(base_config)), grid))
-        replies = grid.send_and_receive(messages, timeout=float(cfg.round_timeout))
+                                                 ConfigRecord(train_config), grid))
+        replies = list(grid.send_and_receive(messages, timeout=float(cfg.round_timeout)))
+        if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
+            recorder.attach_evaluation(pending, _evaluate(strategy, grid, cfg, base_config, pending, replies))
+            pending = None
         _, train_metrics = strategy.aggregate_train(rnd, replies)
         comm = strategy.round_log
         record: dict[str, Any] = {
@@ -72,23 +89,48 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
             "failed": comm.failed,
             "rejected": comm.rejected,
         }
-        if rnd % int(cfg.eval_every) == 0 or rnd == rounds:
-            eval_cfg = ConfigRecord({**base_config, "final": rnd == rounds})
-            messages = list(strategy.configure_evaluate(rnd, to_record(strategy.global_arrays), eval_cfg, grid))
-            replies = grid.send_and_receive(messages, timeout=float(cfg.round_timeout))
-            summary = strategy.aggregate_evaluate(rnd, replies)
-            if summary is not None:
-                record["evaluate"] = dict(summary.items())
-                record["clients"] = strategy.last_eval
-                record["eval_failed"] = strategy.eval_failed
+        if _is_eval_round(rnd, cfg):
+            if fuse and rnd < rounds:
+                pending = rnd
+            else:
+                record.update(_evaluate(strategy, grid, cfg, base_config, rnd))
         record.update(strategy.round_extras(rnd))
         recorder.log_round(record)
         ev = record.get("evaluate", {})
         log(INFO, "[round %d/%d] %.1fs | %d/%d clients trained | accuracy mean %s min %s",
             rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
-            f"{ev['accuracy_mean']:.4f}" if ev else "-", f"{ev['accuracy_min']:.4f}" if ev else "-")
+            f"{ev['accuracy_mean']:.4f}" if ev else "-" if pending is None else "(next round)",
+            f"{ev['accuracy_min']:.4f}" if ev else "-")
         if int(cfg.checkpoint_every) > 0 and (rnd % int(cfg.checkpoint_every) == 0 or rnd == rounds):
             rng_arrays, rng_meta = rng_state_groups()
             save_checkpoint(recorder.dir, rnd, {**strategy.state_arrays(), "_rng": rng_arrays},
                             {**identity, "strategy_state": strategy.state_meta(), "rng_state": rng_meta})
     return rounds
+
+
+def _is_eval_round(rnd: int, cfg: DictConfig) -> bool:
+    return rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds)
+
+
+def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_config: dict[str, Any],
+              rnd: int, train_replies: list[Message] | None = None) -> dict[str, Any]:
+    """Round ``rnd``'s evaluation of every connected client: the evaluations that came with
+    ``train_replies`` (``eval_in_train``) plus evaluate messages to every other client (not
+    sampled, failed, or all of them when there are no such replies)."""
+    carried = [m for m in (train_replies or [])
+               if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
+    done = {m.metadata.src_node_id for m in carried}
+    others = [n for n in strategy.connected_nodes(grid) if n not in done]
+    eval_cfg = ConfigRecord({**base_config, "final": rnd == int(cfg.rounds)})
+    messages = strategy.evaluate_messages(rnd, eval_cfg, others, already=done)
+    replies = list(grid.send_and_receive(messages, timeout=float(cfg.round_timeout))) if messages else []
+    summary = strategy.aggregate_evaluate(rnd, [*carried, *replies])
+    if summary is None:
+        return {}
+    if train_replies is not None:
+        ev = dict(summary.items())
+        log(INFO, "[round %d] evaluation (with round %d's training: %d, by evaluate message: %d) | "
+            "accuracy mean %.4f min %.4f", rnd, rnd + 1, len(carried), len(messages),
+            ev["accuracy_mean"], ev["accuracy_min"])
+    return {"evaluate": dict(summary.items()), "clients": strategy.last_eval,
+            "eval_failed": strategy.eval_failed}

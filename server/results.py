@@ -140,6 +140,20 @@ class RunRecorder:
         self.rounds = [r for r in self.rounds if r["round"] <= last_round]
         atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rounds))
 
+    def attach_evaluation(self, rnd: int, evaluation: Mapping[str, Any]) -> None:
+        """Add round ``rnd``'s evaluation to its record, written before the evaluation
+        arrived (it came with the next round's training); metrics.jsonl is rewritten
+        atomically."""
+        if not evaluation:
+            return
+        for rec in self.rounds:
+            if rec["round"] == rnd:
+                rec.update(evaluation)
+                break
+        else:
+            raise RuntimeError(f"no record of round {rnd} to attach its evaluation to")
+        atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rounds))
+
     def log_round(self, record: dict[str, Any]) -> None:
         record = {**record, "elapsed_s": round(time.monotonic() - self.t0, 3)}
         self.rounds.append(record)

@@ -36,6 +36,7 @@ from common.options import MethodOptions
 from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
+    EVAL_METRICS_KEY,
     METRICS_KEY,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
@@ -253,6 +254,12 @@ class PersonalizedStrategy(Strategy):
     # ``personal`` arrays unchanged (restored after ``aggregate_updates``). A method whose
     # rule must touch absent clients' personal state sets this to False.
     keep_absent_personal: ClassVar[bool] = True
+    # A round's evaluation may ride on the next round's training messages (``eval_in_train``):
+    # exact when the evaluate message would carry what the next train message carries
+    # (``payload_for`` after the aggregation) and the client evaluates before training on its
+    # unchanged state; tests/test_method_contract.py checks the numbers are identical for
+    # every method. A method for which that does not hold sets this to False.
+    fuses_evaluation: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ nodes
     def identify(self, grid: Grid, nodes: Iterable[int]) -> None:
@@ -458,12 +465,21 @@ class PersonalizedStrategy(Strategy):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Evaluate every connected client (not only the sampled ones)."""
-        nodes = self._connected_nodes(grid)
+        return self.evaluate_messages(server_round, config, self._connected_nodes(grid))
+
+    def evaluate_messages(self, server_round: int, config: ConfigRecord, nodes: list[int],
+                          already: Iterable[int] = ()) -> list[Message]:
+        """Evaluate messages to ``nodes``; ``already`` = nodes whose evaluation of this round
+        came with their training reply (they count as asked, see :meth:`aggregate_evaluate`)."""
         cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
-        self._sent_eval = list(nodes)
+        self._sent_eval = [*already, *nodes]
         self._sent_at = time.monotonic()
         return [self._message(n, self.payload_for(self.node_to_client.get(n)), cfg, MessageType.EVALUATE)
                 for n in nodes]
+
+    def connected_nodes(self, grid: Grid) -> list[int]:
+        """The nodes an evaluation addresses (every connected client of the run)."""
+        return self._connected_nodes(grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self.last_eval = {}
@@ -474,7 +490,8 @@ class PersonalizedStrategy(Strategy):
             if msg.has_error():
                 eval_failed[self._label(msg.metadata.src_node_id)] = short_reason(msg.error.reason)
                 continue
-            rec = msg.content.metric_records.get(METRICS_KEY)
+            # an evaluate reply, or a train reply carrying the evaluation (EVAL_METRICS_KEY)
+            rec = msg.content.metric_records.get(EVAL_METRICS_KEY) or msg.content.metric_records.get(METRICS_KEY)
             metrics = dict(rec.items()) if rec is not None else {}
             try:
                 cid = decode_client_id(metrics)

@@ -12,11 +12,15 @@ private state store), connected by a fake grid in this process:
    client bit-for-bit the payload the original would send;
 3. private state survives a restart: 1 round, then every client process "restarts" (fresh
    Flower context, state only on disk) and the server resumes from its checkpoint; round 2
-   then ends bit-for-bit where an uninterrupted 2-round run ends.
+   then ends bit-for-bit where an uninterrupted 2-round run ends;
+4. a round's evaluation carried by the next round's training messages (``eval_in_train``,
+   the default) gives every client's numbers bit for bit as separate evaluate messages do,
+   and only the final round sends evaluate messages.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,7 @@ class Clients:
         self.run_config, self.run_id = run_config, run_id
         self.contexts = {cid: self.context(cid, len(client_ids)) for cid in client_ids}
         self.uploads: dict[str, set[str]] = {}
+        self.evaluate_messages = 0
 
     def context(self, cid: str, n: int) -> Context:
         return Context(run_id=self.run_id, node_id=int(cid) + 1,
@@ -68,6 +73,7 @@ class Clients:
             reply = client_app.train(msg, self.contexts[cid])
             self.uploads[cid] = set(from_record(reply.content.array_records.get(ARRAYS_KEY)))
             return reply
+        self.evaluate_messages += 1
         return client_app.evaluate(msg, self.contexts[cid])
 
 
@@ -124,3 +130,19 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     for group, arrays in straight.state_arrays().items():
         for k, v in arrays.items():
             np.testing.assert_array_equal(resumed.state_arrays()[group][k], v, err_msg=f"{group}/{k}")
+
+    # ---- 4. evaluation in the next round's training messages == evaluate messages
+    separate, sep_clients, _ = _federate(_run_config(name, [*extra, "eval_in_train=false"], tmp_path, "separate",
+                                                     rounds=2), run_id=4)
+    fused_clients = _federate(_run_config(name, extra, tmp_path, "fused", rounds=2), run_id=5)[1]
+    fused_rounds, sep_rounds = (_records(tmp_path / run) for run in ("fused", "separate"))
+    assert [r["round"] for r in fused_rounds] == [1, 2]
+    for f, s in zip(fused_rounds, sep_rounds, strict=True):
+        assert f["clients"] == s["clients"], f"{name}: round {f['round']}"
+        assert f["evaluate"] == s["evaluate"]
+    n = len(separate.client_ids)
+    assert (sep_clients.evaluate_messages, fused_clients.evaluate_messages) == (2 * n, n)
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
