@@ -132,14 +132,26 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+def _timed(fn: Callable[[], object]) -> tuple[float, str]:
+    """Seconds of ``fn()`` and its peak extra memory: host MB, plus "/ GPU MB" with CUDA
+    (the rules return numpy arrays, so their time includes the copies to and from the GPU)."""
+    import torch
+
     gc.collect()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     with PeakRSS() as mem:
         t = time.perf_counter()
         out = fn()
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t
         del out
-    return elapsed, mem.extra_mb
+    gpu = f" / {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}" if cuda else ""
+    return elapsed, f"{mem.extra_mb:.0f}{gpu}"
 
 
 def _propagation(clients: list, w: object) -> object:
@@ -171,11 +183,11 @@ def bench_aggregation(sizes: list[tuple[int, int]]) -> str:
         for fn in (partial(consensus_update_many, clients), partial(attention_mix_many, clients, 0.5),
                    partial(_propagation, clients, w)):
             t, m = _timed(fn)
-            cells.append(f"{t:.3f} ({t / t_avg:.1f}x, {m:.0f})")
-        rows.append(f"| {k} | {d:.2g} | {k * d * 4 / 2**20:.0f} | {t_avg:.3f} ({m_avg:.0f}) | " + " | ".join(cells) + " |")
+            cells.append(f"{t:.3f} ({t / t_avg:.1f}x, {m})")
+        rows.append(f"| {k} | {d:.2g} | {k * d * 4 / 2**20:.0f} | {t_avg:.3f} ({m_avg}) | " + " | ".join(cells) + " |")
         del clients
     return "\n".join(["Seconds per aggregation of K float32 models of d parameters (8 tensors each); (x) = "
-                      "ratio to FedAvg; MB = peak resident memory above the inputs. Targets: every rule <= 3x "
+                      "ratio to FedAvg; MB = peak resident memory above the inputs (host / GPU with CUDA). Targets: every rule <= 3x "
                       "FedAvg at K=100, d=11.2M.", "", *rows])
 
 
@@ -248,11 +260,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 CPU cores")
     ap.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,b")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for (a), both sides, e.g. train.amp=true or train.compile=true")
     args = ap.parse_args()
     only = set(args.only.split(","))
     print(f"# pflower benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}, {'--quick' if args.quick else 'full'}\n")
     if "a" in only:
-        print("## (a) simulation vs plain loop\n\n" + bench_loop(5 if args.quick else 20, []) + "\n", flush=True)
+        print("## (a) simulation vs plain loop\n\n" + bench_loop(5 if args.quick else 20, args.set) + "\n", flush=True)
     if "b" in only:
         sizes = [(10, 1_000_000), (100, 1_000_000), (500, 100_000)] if args.quick else \
             [(10, 1_000_000), (100, 1_000_000), (500, 1_000_000), (10, 11_200_000), (100, 11_200_000)]

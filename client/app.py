@@ -7,6 +7,8 @@ Identity and data come from the node: ``partition-id`` (simulation) or ``client-
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from omegaconf import DictConfig
 
 from client.state import ClientStateStore
@@ -35,7 +38,35 @@ from learning.config import compose_config
 from learning.data_cache import DataInfo, load_client_data, resolve_cache_dir
 from learning.models import resolve_device
 
-app = ClientApp()
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux /proc; NaN elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+_AGE_AT_IMPORT = _process_age()
+
+
+def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """With ``PFLOWER_TIMING=1``: where a message's time goes in this ClientApp process.
+    In a deployment Flower starts one process per message, so the process age when the
+    handler starts is the per-message start-up cost (Python, Flower, FAB, task pull, our
+    imports); the handler's own seconds are the work. ``loaded`` = the process age when this
+    module had been imported (Python, Flower's start and ours)."""
+    age, t0 = _process_age(), time.perf_counter()
+    reply = call_next(msg, context)
+    log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s",
+        msg.metadata.message_type, _AGE_AT_IMPORT, age, time.perf_counter() - t0)
+    return reply
+
+
+app = ClientApp(mods=[timing_mod] if os.environ.get("PFLOWER_TIMING") else [])
 
 
 def client_config(context: Context) -> DictConfig:

@@ -33,7 +33,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.results import RunRecorder
-from strategies.base import PersonalizedStrategy
+from strategies.base import PersonalizedStrategy, send_and_receive
 
 
 def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         train_config = {**base_config, **({EVALUATE_ROUND: pending} if pending is not None else {})}
         messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
                                                  ConfigRecord(train_config), grid))
-        replies = list(grid.send_and_receive(messages, timeout=float(cfg.round_timeout)))
+        replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout))
         if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
             recorder.attach_evaluation(pending, _evaluate(strategy, grid, cfg, base_config, pending, replies))
             pending = None
@@ -123,7 +123,7 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
     others = [n for n in strategy.connected_nodes(grid) if n not in done]
     eval_cfg = ConfigRecord({**base_config, "final": rnd == int(cfg.rounds)})
     messages = strategy.evaluate_messages(rnd, eval_cfg, others, already=done)
-    replies = list(grid.send_and_receive(messages, timeout=float(cfg.round_timeout))) if messages else []
+    replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout)) if messages else []
     summary = strategy.aggregate_evaluate(rnd, [*carried, *replies])
     if summary is None:
         return {}

@@ -16,11 +16,13 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from conftest import FakeGrid, pflower_popen
-from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.superlink.grid.http_grid import HttpGrid
 
 from client.state import ClientStateStore
 from common.protocol import make_reply, to_record
@@ -33,7 +35,13 @@ from server.checkpoint import (
     rng_state_groups,
     save_checkpoint,
 )
-from strategies.base import ClientUpdate, PersonalizedStrategy, RoundFailedError, validate_arrays
+from strategies.base import (
+    ClientUpdate,
+    PersonalizedStrategy,
+    RoundFailedError,
+    send_and_receive,
+    validate_arrays,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -444,3 +452,35 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
     assert "min_train_clients=2" in failed and "missing or rejected: 0 (client error" in failed
     assert all(f"{c} (client error: injected fault" in failed for c in "0123456")
     assert "pflower: run failed: RoundFailedError" in log
+
+
+class _SlowHttpGrid(HttpGrid):
+    """A deployment grid whose replies trickle in: pull ``i`` returns the replies listed for it."""
+
+    def __init__(self, arrivals: list[list[str]]) -> None:  # no SuperLink: only push and pull
+        self.arrivals, self.pulls, self.pushed = arrivals, 0, []
+
+    def push_messages(self, messages):  # type: ignore[no-untyped-def, override]
+        self.pushed = [m.metadata.dst_node_id for m in messages]
+        return [f"m{n}" for n in self.pushed]
+
+    def pull_messages(self, message_ids):  # type: ignore[no-untyped-def, override]
+        ready = self.arrivals[self.pulls] if self.pulls < len(self.arrivals) else []
+        self.pulls += 1
+        assert set(ready) <= set(message_ids), "a reply was pulled twice"
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in ready]
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_deployment_replies_are_pulled_until_all_arrived_or_the_timeout() -> None:
+    msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN) for n in (1, 2, 3)]
+    grid = _SlowHttpGrid([[], ["m2"], [], ["m1", "m3"], ["never"]])
+    replies = send_and_receive(grid, msgs, timeout=30.0)
+    # all three came, on the 4th pull, and nothing was pulled after the last one
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m1", "m2", "m3"]
+    assert grid.pulls == 4 and grid.pushed == [1, 2, 3]
+    # a node that never answers: whatever came before the timeout, then stop
+    grid = _SlowHttpGrid([["m1"]])
+    replies = send_and_receive(grid, msgs, timeout=0.35)
+    assert [r.metadata.reply_to_message_id for r in replies] == ["m1"]
+    assert 2 <= grid.pulls <= 6
