@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     from common.methods import build_method_model, trainer_class
     from learning.config import compose_config
     from learning.data import load_federated_data
-    from learning.models import resolve_device
+    from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean
     from learning.training import seed_everything
 
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     device = resolve_device(str(cfg.device))
+    set_deterministic(bool(cfg.get("deterministic", False)))
     seed_everything(int(cfg.seed))
     trainer = trainer_class("fedavg", cfg.strategy)(cfg)
     global_arrays = get_arrays(build_method_model(cfg, data.input_shape, data.num_classes))

@@ -36,7 +36,7 @@ from common.protocol import (
 )
 from learning.config import compose_config
 from learning.data_cache import DataInfo, load_client_data, resolve_cache_dir
-from learning.models import resolve_device
+from learning.models import resolve_device, set_deterministic
 
 
 def _process_age() -> float:
@@ -120,6 +120,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
     check_partitions(context, info)
     run_name = str(server_cfg.get("run-name", cfg.run_name))
+    set_deterministic(bool(cfg.get("deterministic", False)))
     rnd = ClientRound(
         cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
         input_shape=info.input_shape, device=resolve_device(str(cfg.device)),

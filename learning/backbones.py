@@ -47,3 +47,41 @@ class WithHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+class AdaptiveAvgPool2d(nn.Module):
+    """``nn.AdaptiveAvgPool2d`` as two averaging-matrix products, ``P_h x P_w^T``.
+
+    Same bins as torch (output cell i averages input rows floor(i*H/h) .. ceil((i+1)*H/h)-1),
+    but deterministic on CUDA: torch's ``adaptive_avg_pool2d`` backward adds with atomics
+    where bins overlap or an input cell feeds several outputs (an 8x8 digit reaching a 2x2
+    map pooled to 6x6), so ``deterministic=true`` runs could not be bit-identical there.
+    No parameters: state dicts are those of the torch module."""
+
+    def __init__(self, output_size: int | tuple[int, int]) -> None:
+        super().__init__()
+        self.output_size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+        self._matrices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # built once per input size
+
+    @staticmethod
+    def bins(out: int, size: int) -> torch.Tensor:
+        """(out, size) matrix whose row i averages torch's bin i of an axis of ``size``."""
+        m = torch.zeros(out, size, dtype=torch.float64)
+        for i in range(out):
+            start, end = (i * size) // out, -((-(i + 1) * size) // out)
+            m[i, start:end] = 1.0 / (end - start)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (oh, ow), (h, w) = self.output_size, x.shape[-2:]
+        if (oh, ow) == (h, w):
+            return x
+        key = (h, w, x.device, x.dtype)
+        if key not in self._matrices:   # no host-to-device copy (and sync) per step
+            self._matrices[key] = (self.bins(oh, h).to(device=x.device, dtype=x.dtype),
+                                   self.bins(ow, w).to(device=x.device, dtype=x.dtype).T.contiguous())
+        ph, pw_t = self._matrices[key]
+        return ph @ x @ pw_t
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"

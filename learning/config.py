@@ -204,8 +204,9 @@ def validate_config(cfg: DictConfig) -> None:
     check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
     check("train.batch_size", int, lambda v: v >= 1, ">= 1")
     check("finetune.every", int, lambda v: v >= 0, ">= 0 (0 = fine-tune at the final evaluation only)")
-    if not isinstance(cfg.get("eval_in_train", True), bool):
-        problems.append(f"eval_in_train must be true or false, got {cfg.eval_in_train!r}")
+    for key in ("eval_in_train", "deterministic"):
+        if not isinstance(cfg.get(key, False), bool):
+            problems.append(f"{key} must be true or false, got {cfg.get(key)!r}")
     if str(cfg.get("best_round_by", "mean")) not in ("mean", "weighted"):
         problems.append(f"best_round_by must be mean (over clients) or weighted (by validation size), "
                         f"got {cfg.best_round_by!r}")

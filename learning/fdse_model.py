@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from learning.backbones import resnet18
+from learning.backbones import AdaptiveAvgPool2d, resnet18
 
 __all__ = [
     "DSEConv",
@@ -305,7 +305,7 @@ class FDSEAlexNet(nn.Module):
                 ]
             )
         )
-        self.avgpool = nn.AdaptiveAvgPool2d((pool_size, pool_size))
+        self.avgpool = AdaptiveAvgPool2d((pool_size, pool_size))
         self.fc1 = DSELinear(c5 * pool_size * pool_size, h, **kw)
         self.fc2 = DSELinear(h, h, **kw)
         self.head = nn.Linear(h, num_classes)

@@ -8,13 +8,14 @@ coarse stages are found by :func:`parameter_groups`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from learning.backbones import ModelError, resnet18
+from learning.backbones import AdaptiveAvgPool2d, ModelError, resnet18
 
 MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet", "fdse-resnet18")
 
@@ -32,7 +33,7 @@ class SmallCNN(nn.Module):
             nn.Conv2d(width, 2 * width, 3, padding=1),
             nn.BatchNorm2d(2 * width),
             nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(4 if image_size >= 8 else 2),
+            AdaptiveAvgPool2d(4 if image_size >= 8 else 2),
         )
         pooled = 4 if image_size >= 8 else 2
         self.fc = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * pooled * pooled, hidden),
@@ -90,7 +91,7 @@ class MobileNetCIFAR(nn.Module):
                 nn.BatchNorm2d(out, track_running_stats=bn_running_stats), nn.ReLU(inplace=True),
             ]
             c = out
-        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(*layers, AdaptiveAvgPool2d(1), nn.Flatten())
         self.head = nn.Linear(c, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,7 @@ class AlexNetBN(nn.Module):
             nn.Conv2d(w[2], w[3], 3, padding=1), nn.BatchNorm2d(w[3]), nn.ReLU(inplace=True),
             nn.Conv2d(w[3], w[4], 3, padding=1), nn.BatchNorm2d(w[4]), nn.ReLU(inplace=True),
             nn.MaxPool2d(3, 2) if big else nn.Identity(),
-            nn.AdaptiveAvgPool2d(6 if big else 2),
+            AdaptiveAvgPool2d(6 if big else 2),
             nn.Flatten(),
         )
         pooled = 6 if big else 2
@@ -202,6 +203,19 @@ def parameter_groups(model: nn.Module) -> dict[str, list[str]]:
     head = [k for k in keys if is_head_key(k)]
     return {"head": head, "body": [k for k in keys if not is_head_key(k)], "bn": bn, "bn_stats": bn_stats,
             "all": keys}
+
+
+def set_deterministic(on: bool) -> None:
+    """Deterministic kernels on CUDA, so that a rerun, a resumed run and a run evaluating in
+    the training message give bit-identical numbers there as they do on the CPU (cuDNN's
+    default convolution backward and cuBLAS's split reductions add in varying order: last
+    bits differ between two runs). Slower; ops without a deterministic CUDA kernel warn
+    instead of failing. ``CUBLAS_WORKSPACE_CONFIG`` takes effect if set before cuBLAS starts."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(on, warn_only=True)
 
 
 def resolve_device(name: str = "auto") -> torch.device:

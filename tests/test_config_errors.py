@@ -41,6 +41,8 @@ def run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
     ("norm_bound=-1", "norm_bound must be >= 0"),
     ("train.lr=0", "train.lr must be > 0"),
     ("seed=1.5", "seed must be an integer, got 1.5"),
+    ("deterministic=sometimes", "deterministic must be true or false, got 'sometimes'"),
+    ("eval_in_train=1", "eval_in_train must be true or false, got 1"),
 ])
 def test_invalid_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
     code, err = run(capsys, override, f"results_root={tmp_path}")

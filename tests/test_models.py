@@ -101,3 +101,22 @@ def test_a_process_builds_a_model_once_and_copies_are_the_built_model(strategy: 
     again = methods.build_method_model(cfg, (1, 8, 8), 10)
     for a, b in zip(again.state_dict().values(), copied.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # the template was not touched by training a copy
+
+
+@pytest.mark.parametrize(("shape", "out"), [((2, 3, 8, 8), 2), ((2, 3, 2, 2), 6), ((2, 3, 7, 5), (3, 2)),
+                                            ((1, 4, 13, 13), 6), ((1, 2, 1, 1), 6), ((1, 2, 6, 6), 6)])
+def test_deterministic_adaptive_pool_equals_torchs(shape: tuple[int, ...], out: int | tuple[int, int]) -> None:
+    """Our matrix-product pool (deterministic on CUDA) gives torch's adaptive average pool,
+    down- and up-sampling, values and gradients."""
+    import torch.nn.functional as F
+
+    from learning.backbones import AdaptiveAvgPool2d
+
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    ours = AdaptiveAvgPool2d(out)(x)
+    ref = F.adaptive_avg_pool2d(x, out)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(ref)
+    (gx,) = torch.autograd.grad(ours, x, g)
+    (rx,) = torch.autograd.grad(F.adaptive_avg_pool2d(x, out), x, g)
+    torch.testing.assert_close(gx, rx, rtol=0, atol=1e-12)
