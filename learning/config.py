@@ -123,8 +123,9 @@ def default_run_name(cfg: DictConfig, overrides: list[str]) -> str:
     experiment = [o.partition("=")[2] for o in overrides if o.lstrip("+~").startswith("experiment=")]
     if experiment and experiment[-1]:
         name = f"{experiment[-1]}-{name}"
+    # a group's choice (strategy=fdse) is in the name; its keys (strategy.lam=0) change the run
     extra = sorted(o for o in overrides
-                   if o.lstrip("+~").partition("=")[0].split(".")[0] not in _NAME_NEUTRAL
+                   if o.lstrip("+~").partition("=")[0] not in _NAME_NEUTRAL
                    and not o.lstrip("+~").startswith("dataset.root="))
     if extra:
         name += "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]

@@ -58,6 +58,11 @@ def test_default_run_name_includes_the_experiment_and_what_else_differs() -> Non
     # where results go and the seed's own suffix do not add a hash
     assert compose_config({"results-root": "/tmp/elsewhere", "seed": "2"}).run_name == \
         "fedavg-digits-domains-cnn-s2"
+    # a group's choice is in the name, but each of its keys changes the run and the name
+    assert compose_config({}, ["strategy=fedbn"]).run_name == "fedbn-digits-domains-cnn-s0"
+    keys = [compose_config({}, [o]).run_name for o in
+            ("strategy.weighted=false", "dataset.val_fraction=0.2", "model.width=0.5")]
+    assert len({base, *keys}) == 4 and all(k.startswith(base + "-") for k in keys)
 
 
 def _cfg(tmp_path: Path, **extra: object):
