@@ -54,13 +54,23 @@ _AGE_AT_IMPORT = _process_age()
 
 
 def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
-    """With ``PFLOWER_TIMING=1``: where a message's time goes in this ClientApp process.
+    """With ``PFLOWER_TIMING=1``: where a message's time goes in this ClientApp process
+    (``PFLOWER_PROFILE=<folder>`` also writes a cProfile file per message there).
     In a deployment Flower starts one process per message, so the process age when the
     handler starts is the per-message start-up cost (Python, Flower, FAB, task pull, our
     imports); the handler's own seconds are the work. ``loaded`` = the process age when this
     module had been imported (Python, Flower's start and ours)."""
     age, t0 = _process_age(), time.perf_counter()
-    reply = call_next(msg, context)
+    profile_dir = os.environ.get("PFLOWER_PROFILE")   # a folder: one cProfile file per message
+    if profile_dir:
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            reply = call_next(msg, context)
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(Path(profile_dir) / f"{msg.metadata.message_type}-{os.getpid()}.prof")
+    else:
+        reply = call_next(msg, context)
     log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s",
         msg.metadata.message_type, _AGE_AT_IMPORT, age, time.perf_counter() - t0)
     return reply

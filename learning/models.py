@@ -211,10 +211,12 @@ def set_deterministic(on: bool) -> None:
     default convolution backward and cuBLAS's split reductions add in varying order: last
     bits differ between two runs). Slower; ops without a deterministic CUDA kernel warn
     instead of failing. ``CUBLAS_WORKSPACE_CONFIG`` takes effect if set before cuBLAS starts."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = False
+    if on == torch.are_deterministic_algorithms_enabled():
+        return   # the call imports torch._inductor (4 s in a fresh process): only on a change
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on, warn_only=True)
 
 
