@@ -203,7 +203,8 @@ def test_the_generic_imagefolder_dataset_discovers_domains_classes_and_its_name(
     from learning.data import load_federated_data
 
     cfg = compose_config({"dataset": "imagefolder"}, [f"dataset.root={tree}", "dataset.image_size=28"])
-    assert cfg.dataset.name == "my-digits" and cfg.run_name == "fedavg-my-digits-cnn-s0"
+    assert cfg.dataset.name == "my-digits" and cfg.run_name.startswith("fedavg-my-digits-cnn-s0-")  # + image_size
+    assert compose_config({"dataset": "imagefolder"}, [f"dataset.root={tree}"]).run_name == "fedavg-my-digits-cnn-s0"
     assert list(cfg.dataset.domains) == ["ink", "neon", "noisy", "photo"]
     data = load_federated_data(cfg.dataset, 0)
     assert data.num_classes == 10 and data.input_shape == (3, 28, 28)
