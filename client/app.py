@@ -67,8 +67,13 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
 
         with cProfile.Profile() as prof:
             reply = call_next(msg, context)
-        Path(profile_dir).mkdir(parents=True, exist_ok=True)
-        prof.dump_stats(Path(profile_dir) / f"{msg.metadata.message_type}-{os.getpid()}.prof")
+        path = Path(profile_dir) / f"{msg.metadata.message_type}-{os.getpid()}.prof"
+        try:   # a diagnostic: an unwritable folder must not fail the message
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.dump_stats(path)
+        except OSError as err:
+            log(30, "pflower timing: cannot write the profile %s (%s); set PFLOWER_PROFILE to a writable folder",
+                path, err)
     else:
         reply = call_next(msg, context)
     log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s",
@@ -207,8 +212,13 @@ def _evaluate_round(trainer: Any, rnd: ClientRound, server_round: int, payload: 
     """The metrics of an evaluate message of ``server_round`` (not the final one)."""
     config = {**rnd.config, "server-round": server_round, "final": False}
     config.pop(EVALUATE_ROUND, None)
-    at = replace(rnd, server_round=server_round, config=config)
-    return {**trainer.evaluate(at, dict(payload), dict(state)), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
+    return _evaluation(trainer, replace(rnd, server_round=server_round, config=config), dict(payload), dict(state))
+
+
+def _evaluation(trainer: Any, rnd: ClientRound, payload: dict[str, np.ndarray],
+                state: dict[str, np.ndarray]) -> dict[str, float]:
+    """What an evaluate reply carries: the trainer's metrics and the validation split's size."""
+    return {**trainer.evaluate(rnd, payload, state), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
 
 
 @app.evaluate()
@@ -216,8 +226,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
     state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
-    metrics = {**trainer.evaluate(rnd, payload, state), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
-    return make_reply(msg, {}, metrics, rnd.client_id, len(rnd.data.test))
+    return make_reply(msg, {}, _evaluation(trainer, rnd, payload, state), rnd.client_id, len(rnd.data.test))
 
 
 @app.query()

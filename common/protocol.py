@@ -86,10 +86,7 @@ def make_reply(msg: Message, arrays: Mapping[str, np.ndarray], metrics: Mapping[
                client_id: str, num_examples: int,
                extra: Mapping[str, ArrayRecord] | None = None) -> Message:
     """Build a reply with uploaded arrays, metrics and the stable client id."""
-    m = {k: float(v) for k, v in metrics.items()}
-    m[NUM_EXAMPLES] = int(num_examples)
-    m.update(encode_client_id(client_id))
-    content = RecordDict({ARRAYS_KEY: to_record(arrays), METRICS_KEY: MetricRecord(m)})
+    content = RecordDict({ARRAYS_KEY: to_record(arrays), METRICS_KEY: _metric_record(metrics, client_id, num_examples)})
     for key, rec in (extra or {}).items():
         content[key] = rec
     return Message(content=content, reply_to=msg)
@@ -97,11 +94,15 @@ def make_reply(msg: Message, arrays: Mapping[str, np.ndarray], metrics: Mapping[
 
 def add_evaluation(reply: Message, metrics: Mapping[str, float], client_id: str, num_examples: int) -> Message:
     """Attach an evaluation (metrics as an evaluate reply carries them) to a train reply."""
+    reply.content[EVAL_METRICS_KEY] = _metric_record(metrics, client_id, num_examples)
+    return reply
+
+
+def _metric_record(metrics: Mapping[str, float], client_id: str, num_examples: int) -> MetricRecord:
     m = {k: float(v) for k, v in metrics.items()}
     m[NUM_EXAMPLES] = int(num_examples)
     m.update(encode_client_id(client_id))
-    reply.content[EVAL_METRICS_KEY] = MetricRecord(m)
-    return reply
+    return MetricRecord(m)
 
 
 def config_dict(record: ConfigRecord | None) -> dict[str, object]:

@@ -484,3 +484,20 @@ def test_deployment_replies_are_pulled_until_all_arrived_or_the_timeout() -> Non
     replies = send_and_receive(grid, msgs, timeout=0.35)
     assert [r.metadata.reply_to_message_id for r in replies] == ["m1"]
     assert 2 <= grid.pulls <= 6
+
+
+def test_timing_mod_profiles_a_message_and_never_fails_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """PFLOWER_PROFILE=<folder> writes one cProfile file per message; an unwritable folder
+    is a warning, and the handler's reply still goes back."""
+    from client.app import timing_mod
+
+    msg = SimpleNamespace(metadata=SimpleNamespace(message_type="train"))
+    monkeypatch.setenv("PFLOWER_PROFILE", str(tmp_path / "prof"))
+    assert timing_mod(msg, None, lambda m, c: "reply") == "reply"  # type: ignore[arg-type]
+    assert [p.name for p in (tmp_path / "prof").iterdir()] == [f"train-{os.getpid()}.prof"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PFLOWER_PROFILE", str(blocker / "prof"))
+    assert timing_mod(msg, None, lambda m, c: "reply") == "reply"  # type: ignore[arg-type]
+    assert "cannot write the profile" in caplog.text
