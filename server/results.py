@@ -138,6 +138,9 @@ class RunRecorder:
     def truncate_to(self, last_round: int) -> None:
         """On resume: drop lines of rounds after the checkpoint (they will be redone)."""
         self.rounds = [r for r in self.rounds if r["round"] <= last_round]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
         atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rounds))
 
     def attach_evaluation(self, rnd: int, evaluation: Mapping[str, Any]) -> None:
@@ -152,7 +155,7 @@ class RunRecorder:
                 break
         else:
             raise RuntimeError(f"no record of round {rnd} to attach its evaluation to")
-        atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rounds))
+        self._rewrite()
 
     def log_round(self, record: dict[str, Any]) -> None:
         record = {**record, "elapsed_s": round(time.monotonic() - self.t0, 3)}

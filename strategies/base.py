@@ -328,7 +328,7 @@ class PersonalizedStrategy(Strategy):
             f"`flwr run . --stream --federation-config \"num-supernodes={len(self.client_ids)}\"` "
             "(or use `pflower run`, which sets it); extra SuperNodes stay idle")
 
-    def _connected_nodes(self, grid: Grid) -> list[int]:
+    def connected_nodes(self, grid: Grid) -> list[int]:
         """The nodes to address this round, ordered by stable client id (nodes that could
         not be identified last). Nodes are identified as they connect; the first call waits
         (up to ``wait_for_clients``) for every expected client, later calls only
@@ -388,7 +388,7 @@ class PersonalizedStrategy(Strategy):
     # ------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        nodes = self._connected_nodes(grid)
+        nodes = self.connected_nodes(grid)
         k = max(self.min_train_clients, int(round(len(nodes) * self.fraction_train)))
         # sample over the list ordered by client id, so the same seed picks the same clients
         # in every run (node ids differ between runs)
@@ -494,7 +494,7 @@ class PersonalizedStrategy(Strategy):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Evaluate every connected client (not only the sampled ones)."""
-        return self.evaluate_messages(server_round, config, self._connected_nodes(grid))
+        return self.evaluate_messages(server_round, config, self.connected_nodes(grid))
 
     def evaluate_messages(self, server_round: int, config: ConfigRecord, nodes: list[int],
                           already: Iterable[int] = ()) -> list[Message]:
@@ -505,10 +505,6 @@ class PersonalizedStrategy(Strategy):
         self._sent_at = time.monotonic()
         return [self._message(n, self.payload_for(self.node_to_client.get(n)), cfg, MessageType.EVALUATE)
                 for n in nodes]
-
-    def connected_nodes(self, grid: Grid) -> list[int]:
-        """The nodes an evaluation addresses (every connected client of the run)."""
-        return self._connected_nodes(grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self.last_eval = {}
