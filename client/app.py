@@ -1,56 +1,27 @@
-"""The pflower ClientApp: thin glue between Flower messages and a method's trainer.
+"""The pflower ClientApp: Flower's entry point on the client side.
 
-Identity and data come from the node: ``partition-id`` (simulation) or ``client-id`` in
-``--node-config``, optional ``data-root`` (overrides ``dataset.root``) and ``state-dir``
-(where this client's private state lives; default ``<results_root>/<run>/client_state``).
+It imports no torch itself: the handlers (``client/handlers.py``: torch, the data, the
+trainers) load on the first training or evaluation message, so a process that only answers
+the server's query stays light. In a simulation the ClientApp lives in a Ray actor across
+rounds; ``pflower-supernode`` runs it in one long-lived process per node
+(``ops/node_runner.py``); with Flower's plain ``flower-supernode`` each message gets a
+process of its own.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
-from omegaconf import DictConfig
 
-from client.state import ClientStateStore
-from client.trainer import ClientRound
-from common.methods import trainer_class
-from common.protocol import (
-    ARRAYS_KEY,
-    CONFIG_KEY,
-    EVALUATE_ROUND,
-    NUM_PARTITIONS,
-    NUM_VAL_EXAMPLES,
-    add_evaluation,
-    config_dict,
-    from_record,
-    make_reply,
-    to_record,
-)
-from learning.config import compose_config
-from learning.data_cache import DataInfo, load_client_data, resolve_cache_dir
-from learning.models import resolve_device, set_deterministic
+from client.identity import identify
+from client.timing import process_age, profiled
 
-
-def _process_age() -> float:
-    """Seconds since this process started (Linux /proc; NaN elsewhere)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-_AGE_AT_IMPORT = _process_age()
+_AGE_AT_IMPORT = process_age()
 
 
 def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
@@ -58,24 +29,10 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
     (``PFLOWER_PROFILE=<folder>`` also writes a cProfile file per message there).
     In a deployment Flower starts one process per message, so the process age when the
     handler starts is the per-message start-up cost (Python, Flower, FAB, task pull, our
-    imports); the handler's own seconds are the work. ``loaded`` = the process age when this
-    module had been imported (Python, Flower's start and ours)."""
-    age, t0 = _process_age(), time.perf_counter()
-    profile_dir = os.environ.get("PFLOWER_PROFILE")   # a folder: one cProfile file per message
-    if profile_dir:
-        import cProfile
-
-        with cProfile.Profile() as prof:
-            reply = call_next(msg, context)
-        path = Path(profile_dir) / f"{msg.metadata.message_type}-{os.getpid()}.prof"
-        try:   # a diagnostic: an unwritable folder must not fail the message
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.dump_stats(path)
-        except OSError as err:
-            log(30, "pflower timing: cannot write the profile %s (%s); set PFLOWER_PROFILE to a writable folder",
-                path, err)
-    else:
-        reply = call_next(msg, context)
+    imports); the handler's own seconds are the work. ``loaded`` = the process age when this module had been
+    imported (Python, Flower's start and ours)."""
+    age, t0 = process_age(), time.perf_counter()
+    reply = profiled(lambda: call_next(msg, context), msg.metadata.message_type)
     log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s",
         msg.metadata.message_type, _AGE_AT_IMPORT, age, time.perf_counter() - t0)
     return reply
@@ -84,155 +41,24 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
 app = ClientApp(mods=[timing_mod] if os.environ.get("PFLOWER_TIMING") else [])
 
 
-def client_config(context: Context) -> DictConfig:
-    overrides = []
-    root = context.node_config.get("data-root")
-    if root:
-        overrides.append(f"dataset.root={root}")
-    return compose_config(dict(context.run_config), overrides)
+def handle(kind: str, msg: Message, context: Context) -> Message:
+    """Run the ``kind`` handler (imported on first use, see the module docstring)."""
+    from client.handlers import HANDLERS
 
-
-def client_id_of(context: Context) -> str:
-    """The stable id: ``client-id`` from node-config, else the simulation partition id."""
-    node = context.node_config
-    if "client-id" in node and str(node["client-id"]) != "":
-        return str(node["client-id"])
-    if "partition-id" in node:
-        return str(int(node["partition-id"]))
-    raise ValueError(
-        "this SuperNode has neither 'partition-id' nor 'client-id' in its node config; start it "
-        "with --node-config \"partition-id=0 num-partitions=N\""
-    )
-
-
-def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: str) -> Path:
-    node_dir = context.node_config.get("state-dir")
-    if node_dir:
-        return Path(str(node_dir)) / run_name / client_id
-    root = Path(cfg.state_root) if cfg.state_root else Path(cfg.results_root) / run_name / "client_state"
-    return root / client_id
-
-
-def check_partitions(context: Context, info: DataInfo) -> None:
-    """A federation with fewer nodes than clients cannot run every client (more nodes is
-    fine: the server leaves the extra ones idle)."""
-    size = context.node_config.get("num-partitions")
-    if size is not None and int(size) < len(info.client_ids):
-        missing = [c for c in info.client_ids if not (c.isdigit() and int(c) < int(size))]
-        raise ValueError(
-            f"node config says num-partitions={size} but dataset {info.name!r} has "
-            f"{len(info.client_ids)} clients ({', '.join(missing)} have no node); in simulation pass "
-            f"--federation-config \"num-supernodes={len(info.client_ids)}\" to flwr run (or use "
-            "`pflower run`, which sets it), or change dataset.clients_per_domain"
-        )
-
-
-def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
-    cfg = client_config(context)
-    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
-    client_id = client_id_of(context)
-    # only this client's split, from the on-disk cache after the first process built it
-    split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
-    check_partitions(context, info)
-    run_name = str(server_cfg.get("run-name", cfg.run_name))
-    set_deterministic(bool(cfg.get("deterministic", False)))
-    rnd = ClientRound(
-        cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
-        input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
-        server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
-    )
-    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state,
-                             checkpoint_every=int(cfg.checkpoint_every))
-    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
-    return trainer, rnd, store
-
-
-def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
-    """Which saved state versions this call may use (see client/state.py): the server's
-    ``resume-round`` and this run attempt's id."""
-    resumed = rnd.config.get("resume-round")
-    return {"resumed_from": None if resumed is None else int(resumed),  # type: ignore[arg-type]
-            "attempt": str(context.run_id)}
-
-
-def inject_faults(cfg: DictConfig, client_id: str, server_round: int, where: str) -> bool:
-    """Test-only fault injection (``faults.*`` in conf/config.yaml, all off by default).
-
-    ``where="before"``: raise if this client is in ``faults.crash_clients`` and the round
-    matches ``faults.crash_round`` (0 = every round). ``where="after"``: return True if this
-    client's upload must be replaced by NaNs (``faults.nan_clients`` / ``faults.nan_round``).
-    """
-    faults = cfg.get("faults")
-    if not faults:
-        return False
-
-    def hit(clients_key: str, round_key: str) -> bool:
-        clients = {str(c) for c in (faults.get(clients_key) or [])}
-        at = int(faults.get(round_key, 0) or 0)
-        return client_id in clients and (at == 0 or at == server_round)
-
-    if where == "before" and hit("crash_clients", "crash_round"):
-        raise RuntimeError(f"injected fault: client {client_id} crashes in round {server_round} "
-                           "(faults.crash_clients)")
-    return where == "after" and hit("nan_clients", "nan_round")
+    return HANDLERS[kind](msg, context)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    trainer, rnd, store = _round(msg, context)
-    inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "before")
-    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
-    scope = _state_scope(rnd, context)
-    state, meta = store.load(max_round=rnd.server_round - 1, **scope)
-    evaluation = None
-    if rnd.config.get(EVALUATE_ROUND) is not None:
-        # the previous round's evaluation, riding on this message: the payload and the state
-        # are exactly what that round's evaluate message would have met (nothing changes in
-        # between), so the numbers are the same and a message (a process, in a deployment)
-        # is saved
-        evaluation = _evaluate_round(trainer, rnd, int(rnd.config[EVALUATE_ROUND]), payload, state)
-    result = trainer.fit(rnd, payload, state)
-    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
-                              # the rounds this state went through (survives SuperNode restarts)
-                              "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
-               server_round=rnd.server_round, attempt=scope["attempt"])
-    upload = result.upload
-    if inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "after"):
-        upload = {k: np.full_like(v, np.nan) if np.issubdtype(v.dtype, np.floating) else v
-                  for k, v in upload.items()}
-    extra = {k: to_record(v) for k, v in result.extra.items()}
-    reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
-    if evaluation is not None:
-        add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
-    return reply
-
-
-def _evaluate_round(trainer: Any, rnd: ClientRound, server_round: int, payload: dict[str, np.ndarray],
-                    state: dict[str, np.ndarray]) -> dict[str, float]:
-    """The metrics of an evaluate message of ``server_round`` (not the final one)."""
-    config = {**rnd.config, "server-round": server_round, "final": False}
-    config.pop(EVALUATE_ROUND, None)
-    return _evaluation(trainer, replace(rnd, server_round=server_round, config=config), dict(payload), dict(state))
-
-
-def _evaluation(trainer: Any, rnd: ClientRound, payload: dict[str, np.ndarray],
-                state: dict[str, np.ndarray]) -> dict[str, float]:
-    """What an evaluate reply carries: the trainer's metrics and the validation split's size."""
-    return {**trainer.evaluate(rnd, payload, state), NUM_VAL_EXAMPLES: float(len(rnd.data.val))}
+    return handle("train", msg, context)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    trainer, rnd, store = _round(msg, context)
-    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
-    state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
-    return make_reply(msg, {}, _evaluation(trainer, rnd, payload, state), rnd.client_id, len(rnd.data.test))
+    return handle("evaluate", msg, context)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Identify this node: the server asks before sampling, so that it can address every
-    client by its stable id (and send it its personal arrays) from the first message on."""
-    size = context.node_config.get("num-partitions")
-    return make_reply(msg, {}, {} if size is None else {NUM_PARTITIONS: float(int(size))},
-                      client_id_of(context), 0)
+    """Identify this node (no torch needed; see ``client/identity.py``)."""
+    return identify(msg, context)

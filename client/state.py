@@ -157,7 +157,9 @@ class ClientStateStore:
             return None
         if attempt is not None and meta.get(ATTEMPT_KEY) not in (None, str(attempt)):
             return None
-        return {k: v.numpy() for k, v in rec.items()}, _user_meta(meta)
+        from common.protocol import from_record
+
+        return from_record(rec), _user_meta(meta)
 
     def _to_context(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         if self.context_state is None:

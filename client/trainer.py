@@ -3,7 +3,7 @@
 :class:`ClientTrainer` is the FedAvg client. A method subclasses it and overrides only
 what differs (which keys stay private, which are uploaded, an extra loss term, how the
 personalised model is formed). Trainers are plain Python (no Flower import): the ClientApp
-in ``client/app.py`` is the thin glue that turns messages into these calls.
+in ``client/handlers.py`` is the thin glue that turns messages into these calls.
 
 Private state is a flat dict of numpy arrays with prefixed names (``model/<key>`` for a
 client's own copy of model tensors); the ClientApp persists it with ClientStateStore.

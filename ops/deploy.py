@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ from ops.launch import (
     write_flwr_config,
 )
 
-# Node-config keys the ClientApp reads (client/app.py).
+# Node-config keys the ClientApp reads (client/handlers.py, client/identity.py).
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "client-id", "state-dir", "data-root")
 # Ports used inside containers and in the README's multi-machine guide.
 FLEET_PORT = 9092      # Fleet API (gRPC grpc-rere): SuperNodes connect here
@@ -91,7 +92,7 @@ def supernode_command(superlink: str, config: str, runtime_port: int = SUPERNODE
                       private_key: str | Path | None = None, runtime_host: str = "127.0.0.1",
                       exe: str | None = None) -> list[str]:
     """``flower-supernode`` for one client: insecure unless ``root_certificates`` is given."""
-    cmd = [exe or _exe("flower-supernode"), "--superlink", superlink]
+    cmd = [exe or _exe("pflower-supernode"), "--superlink", superlink]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if private_key is not None:
         cmd += ["--auth-supernode-private-key", str(private_key)]
@@ -122,7 +123,7 @@ def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[s
     return supernode_command(
         f"{SUPERLINK_SERVICE}:{FLEET_PORT}", node_config(index, num_nodes, CONTAINER_STATE, CONTAINER_DATA),
         SUPERNODE_PORT, certs / "ca.crt" if mode == "tls" else None,
-        certs / f"supernode-{index}" if mode == "tls" else None, exe="flower-supernode")
+        certs / f"supernode-{index}" if mode == "tls" else None, exe="pflower-supernode")
 
 
 @dataclass
@@ -134,14 +135,18 @@ class SuperNode:
     log_path: Path
     proc: subprocess.Popen | None = None
     starts: int = 0
+    threads: int | None = None   # torch's CPU threads for its ClientApps (OMP_NUM_THREADS)
 
     def start(self) -> SuperNode:
         self.starts += 1
+        env = flower_env()
+        if self.threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(self.threads))
         with self.log_path.open("a") as log:
             log.write(f"\n===== pflower: start #{self.starts}: {' '.join(self.command)}\n")
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=flower_env())
+                                         start_new_session=True, env=env)
         return self
 
     def stop(self) -> None:
@@ -230,7 +235,10 @@ class Deployment:
         assert self.link is not None
         cmd = supernode_command(self.link.fleet_address, config, free_port(),
                                 self.certs / "ca.crt" if self.secure else None, key)
-        return SuperNode(index, cmd, self.workdir / f"supernode-{name or index}.log")
+        # the nodes share this machine's cores (each would take all of them: 3 nodes on 2
+        # cores spent most of a round switching threads); OMP_NUM_THREADS set by the user wins
+        threads = max(1, (os.cpu_count() or 1) // self.num_nodes)
+        return SuperNode(index, cmd, self.workdir / f"supernode-{name or index}.log", threads=threads)
 
     def register(self, public_key: Path) -> None:
         """``flwr supernode register <public key> pflower`` against our SuperLink."""

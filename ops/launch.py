@@ -216,6 +216,9 @@ def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     env.setdefault("RAY_DEDUP_LOGS", "0")
+    # how often a SuperExec looks for a message to start a ClientApp/ServerApp process for
+    # (Flower's default 1 s is up to a second of idle per message, twice per round)
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)
     return env

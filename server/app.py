@@ -9,6 +9,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
+from common.flower_waits import shorten_object_pull_backoff
 from common.methods import build_method_model, method_options, strategy_class
 from learning.config import compose_config
 from learning.data import FederatedData, load_federated_data
@@ -46,6 +47,7 @@ def client_info(data: FederatedData) -> dict[str, dict[str, object]]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    shorten_object_pull_backoff()   # replies' arrays: see common/flower_waits.py
     cfg = compose_config(dict(context.run_config))
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     recorder = RunRecorder(cfg, resume=bool(cfg.resume))

@@ -184,7 +184,16 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
     from flwr.app import ConfigRecord, Context, RecordDict
 
     from client.app import train
-    from common.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, to_record
+    from common.protocol import (
+        ARRAYS_KEY,
+        CONFIG_KEY,
+        METRICS_KEY,
+        PACKED_ARRAY,
+        PACKED_INDEX,
+        from_record,
+        pack_arrays,
+        to_record,
+    )
 
     run_config = {"strategy": "fedora", "dataset": "digits-rotated", "model": "mlp",
                   "results-root": str(tmp_path), "run-name": "t", "seed": 0,
@@ -207,13 +216,16 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
     assert set(first.array_records) == {ARRAYS_KEY, BASIS_RECORD}
     assert set(second.array_records) == {ARRAYS_KEY}          # sent once
     assert set(first.config_records) == set() and set(first.metric_records) == {METRICS_KEY}
-    arrays = {k: v.numpy() for k, v in first.array_records[ARRAYS_KEY].items()}
+    arrays = from_record(first.array_records[ARRAYS_KEY])
     assert {k: a.shape for k, a in arrays.items()} == {k: a.shape for k, a in init.items()}
-    basis = {k: v.numpy() for k, v in first.array_records[BASIS_RECORD].items()}
+    basis = from_record(first.array_records[BASIS_RECORD])
     assert set(basis) == {BASIS_ARRAY} and basis[BASIS_ARRAY].shape == (64, 1)
-    # nothing else travels: total floats = model size + d * p
-    total = sum(v.numpy().size for rec in first.array_records.values() for v in rec.values())
-    assert total == sum(a.size for a in init.values()) + 64
+    # nothing else travels: the model's arrays are exactly the packed bytes (plus their
+    # index), the basis record is d * p floats
+    model_record = first.array_records[ARRAYS_KEY]
+    assert set(model_record) == {PACKED_ARRAY, PACKED_INDEX}
+    np.testing.assert_array_equal(model_record[PACKED_ARRAY].numpy(), pack_arrays(arrays)[0])
+    assert sum(a.size for a in basis.values()) == 64
     # the basis is the top right singular vector of X (computed independently here) ...
     v = np.linalg.svd(x, full_matrices=False)[2][0]
     assert abs(float(basis[BASIS_ARRAY][:, 0] @ v)) == pytest.approx(1.0, abs=1e-5)

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.superlink.grid.http_grid import HttpGrid
 
 from client.state import ClientStateStore
-from common.protocol import make_reply, to_record
+from common.protocol import from_record, make_reply, to_record
 from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 from server.checkpoint import (
     CheckpointError,
@@ -217,7 +217,7 @@ def test_personal_arrays_reach_their_client_after_a_resume() -> None:
     new_grid = FakeGrid(st.client_ids, upload(1.0), node_base=98765)
     msgs = list(resumed.configure_train(2, to_record(resumed.global_arrays), ConfigRecord({}), new_grid))
     by_client = {new_grid.client_of[m.metadata.dst_node_id]: m for m in msgs}
-    got = by_client["2"].content.array_records["arrays"]["b"].numpy()
+    got = from_record(by_client["2"].content.array_records["arrays"])["b"]
     np.testing.assert_array_equal(got, [42.0, 43.0])
 
 

@@ -1,0 +1,436 @@
+"""The ClientApp runner of ``pflower-supernode``: every message of a node in one process.
+
+Flower 1.39's SuperNode has its SuperExec start one ``flwr-clientapp`` process per message
+(``flwr/supernode/runtime/run_clientapp.py``: pull one task, run it, exit). That process
+imports Flower (about 2 s of CPU), installs the FAB and loads the ClientApp, which imports
+torch, reads its data and starts CUDA, to train a few batches: a deployment round of the
+default run cost 20-30 s on 3 SuperNodes against 0.2 s of work.
+
+``pflower-supernode`` starts this runner next to the SuperNode and puts a stand-in
+``flwr-clientapp`` first on the SuperExec's ``PATH`` (:func:`write_stand_in`): a few lines
+of Python without site-packages that hand the task's arguments (its token) to the runner
+and exit with its exit code. The runner does for each task what Flower's runner does, with
+Flower's own functions (pull the task input, run the ClientApp, push the reply and the
+Context, heartbeats meanwhile), in a process that imported torch and the ClientApp once and
+keeps its data cache and CUDA context.
+
+It runs pflower's ClientApp in process only when the run's FAB carries this installation's
+code (the same files, :func:`fab_matches`); any other FAB (a changed checkout, another
+app) runs in a fresh process of its own code (:func:`run_in_fab_process`), as with Flower's
+runner. When the runner is not there (it crashed, or the socket is gone) the stand-in runs
+Flower's real ``flwr-clientapp``. Private client state is on disk and in the Context Flower
+keeps, never only in the runner, so a runner that dies loses nothing but the message it was
+handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import secrets
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+import zipfile
+from logging import ERROR, INFO, WARNING
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from flwr.common.logger import log
+
+from client.timing import profiled
+from common.flower_waits import shorten_object_pull_backoff
+
+RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
+REAL_CLIENTAPP_ENV = "PFLOWER_REAL_CLIENTAPP"  # Flower's flwr-clientapp, the stand-in's fallback
+ROOT = Path(__file__).resolve().parent.parent   # where this installation's packages live
+CODE_DIRS = ("client", "common", "learning", "strategies", "server", "ops", "conf")
+CLIENTAPP_REF = "client.app:app"
+
+STAND_IN = '''#!{python} -S
+"""pflower-supernode's stand-in for flwr-clientapp: this task goes to the node's runner
+(ops/node_runner.py); Flower's own flwr-clientapp runs it when the runner is not there."""
+import os
+import sys
+from multiprocessing.connection import Client
+
+args = sys.argv[1:]
+if "--token-stdin" in args:
+    args = [a for a in args if a != "--token-stdin"] + ["--token", sys.stdin.read().strip()]
+address = os.environ.get("{runner_env}", "")
+try:
+    with open(os.path.join(os.path.dirname(address), "key"), "rb") as f:
+        conn = Client(address, family="AF_UNIX", authkey=f.read())
+except (OSError, EOFError, ValueError):
+    real = os.environ["{real_env}"]
+    os.execv(real, [real, *args])
+with conn:
+    conn.send_bytes("\\0".join(args).encode())
+    try:
+        code = int(conn.recv_bytes())
+    except (EOFError, OSError, ValueError):
+        code = 1   # the runner ended during the task: its log is the SuperNode's
+sys.exit(code)
+'''
+
+
+def write_stand_in(folder: Path) -> Path:
+    """The stand-in ``flwr-clientapp`` in ``folder`` (to go first on ``PATH``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "flwr-clientapp"
+    text = STAND_IN.format(python=sys.executable, runner_env=RUNNER_ENV, real_env=REAL_CLIENTAPP_ENV)
+    tmp = folder / f".flwr-clientapp.{os.getpid()}"
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(path)   # atomic: a SuperExec never sees half a file
+    return path
+
+
+DIR_ENV = "PFLOWER_RUNNER_DIR"
+
+
+def runner_dir() -> Path:
+    """A folder only this user may enter (the sockets, the key and the stand-in live there)."""
+    folder = Path(os.environ.get(DIR_ENV) or tempfile.gettempdir()) / f"pflower-runners-{os.getuid()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise PermissionError(f"{folder} must belong to this user and be private (mode 700), it is "
+                              f"{oct(stat.S_IMODE(info.st_mode))} owned by uid {info.st_uid}; remove it "
+                              f"or set {DIR_ENV} to another folder")
+    return folder
+
+
+def auth_key(folder: Path) -> bytes:
+    """The per-user key the stand-in and the runner authenticate with (created once, mode 600)."""
+    path = folder / "key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_bytes()
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    return path.read_bytes()
+
+
+def socket_path(owner: int) -> Path:
+    return runner_dir() / f"runner-{owner}.sock"
+
+
+# ---------------------------------------------------------------------- which code
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_FAB_MATCHES: dict[str, bool] = {}
+
+
+def fab_matches(fab_hash: str, fab_content: bytes) -> bool:
+    """True when the FAB's ClientApp is this installation's: ``client.app:app`` and every
+    file the FAB has under the code folders equal to the file here (cached per FAB hash)."""
+    if fab_hash not in _FAB_MATCHES:
+        _FAB_MATCHES[fab_hash] = _same_code(fab_content)
+    return _FAB_MATCHES[fab_hash]
+
+
+def _same_code(fab_content: bytes) -> bool:
+    with zipfile.ZipFile(io.BytesIO(fab_content)) as fab:
+        names = fab.namelist()
+        if "pyproject.toml" not in names:
+            return False
+        components = tomllib.loads(fab.read("pyproject.toml").decode()).get("tool", {}).get(
+            "flwr", {}).get("app", {}).get("components", {})
+        if components.get("clientapp") != CLIENTAPP_REF:
+            return False
+        for name in names:
+            if name.split("/", 1)[0] not in CODE_DIRS or name.endswith("/"):
+                continue
+            local = ROOT / name
+            if not local.is_file() or _digest(local.read_bytes()) != _digest(fab.read(name)):
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------- one task
+def run_task(argv: list[str], app: Any, lock: threading.Lock) -> int:
+    """What ``flwr-clientapp <argv>`` does (``run_clientapp``), in this process."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.args import try_obtain_flwr_app_token
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.cli.flwr_clientapp import _parse_args_run_flwr_clientapp
+    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+    args = _parse_args_run_flwr_clientapp().parse_args(argv)
+    retry_invoker = make_simple_http_retry_invoker()
+    client = RuntimeHttpClient.from_server_address(
+        server_address=args.runtime_api_address, insecure=args.insecure,
+        root_certificates=validate_and_resolve_root_certificates(args.root_certificates, args.insecure),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(try_obtain_flwr_app_token(args))],
+        retry_invoker=retry_invoker)
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    heartbeat.start()
+    message = reply = context = None
+    sub_status, details, code = SubStatus.FAILED, "ClientApp task failed due to unknown reason", 0
+    try:
+        with lock:   # Flower's task identity is per process: one task at a time
+            try:
+                message, context, run, fab = pull_task_input(client)
+                if fab_matches(fab.hash_str, fab.content):
+                    reply = app(message=message, context=context)
+                else:
+                    log(INFO, "pflower runner: run %s's FAB is not this installation's code; running it "
+                        "in its own process", run.run_id)
+                    reply, context = run_in_fab_process(fab, run, message, context)
+                sub_status, details = SubStatus.COMPLETED, ""
+            except Exception as ex:
+                reason = f"{type(ex)}:<'{ex}'>"
+                log(ERROR, "ClientApp raised an exception", exc_info=ex)
+                details, code = reason, 1
+                if message is not None:
+                    reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                                    reply_to=message)
+            if reply is not None and context is not None:
+                try:
+                    push_message(client, reply, context)
+                except Exception as ex:
+                    log(ERROR, "Failed to push reply message", exc_info=ex)
+                    code = 1
+    finally:
+        retry_invoker.max_tries = 1
+        push_task_output(client=client, context=context, sub_status=sub_status, details=details)
+        if heartbeat.is_running:
+            heartbeat.stop()
+        client.close()
+    return code
+
+
+# ---------------------------------------------------------------------- another FAB's code
+# A Message crosses to that process the way Flower moves it between processes: as its
+# objects (``deflate``/``inflate``, no pickle), framed as a JSON header and the bytes.
+def encode_message(message: Any) -> bytes:
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    objects = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    header = json.dumps({"root": message.object_id, "ids": list(objects),
+                         "sizes": [len(b) for b in objects.values()]}).encode()
+    return struct.pack("<Q", len(header)) + header + b"".join(objects.values())
+
+
+def decode_message(data: bytes) -> Any:
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    (size,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + size])
+    contents, offset = {}, 8 + size
+    for oid, n in zip(header["ids"], header["sizes"], strict=True):
+        contents[oid] = data[offset:offset + n]
+        offset += n
+    message = inflate_object_from_contents(header["root"], contents)
+    if not isinstance(message, Message):
+        raise TypeError(f"expected a Message, the data holds a {type(message).__name__}")
+    message.metadata.__dict__["_message_id"] = header["root"]   # as Flower's runner does
+    return message
+
+
+def _frames(*parts: bytes) -> bytes:
+    return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+
+
+def _unframe(data: bytes) -> list[bytes]:
+    out, offset = [], 0
+    while offset < len(data):
+        (n,) = struct.unpack_from("<Q", data, offset)
+        out.append(data[offset + 8:offset + 8 + n])
+        offset += 8 + n
+    return out
+
+
+def run_in_fab_process(fab: Any, run: Any, message: Any, context: Any) -> tuple[Any, Any]:
+    """Run a FAB that is not this installation's code as Flower would: installed, loaded
+    by Flower's loader, in a process of its own (``--one-task``)."""
+    from flwr.cli.install import install_from_fab
+    from flwr.common.serde import context_from_proto, context_to_proto
+    from flwr.supercore.task_identity import TaskIdentity
+
+    install_from_fab(fab.content, skip_prompt=True)
+    request = _frames(json.dumps([run.fab_id, run.fab_version, fab.hash_str, TaskIdentity.run_id,
+                                  TaskIdentity.node_id, TaskIdentity.task_id]).encode(),
+                      encode_message(message), context_to_proto(context).SerializeToString())
+    out = subprocess.run([sys.executable, "-m", "ops.node_runner", "--one-task"], input=request,
+                         capture_output=True, cwd="/", check=False)
+    sys.stderr.write(out.stderr.decode(errors="replace"))
+    if out.returncode != 0:
+        raise RuntimeError(f"the FAB's ClientApp process exited with code {out.returncode}; its output "
+                           "is above in this SuperNode's log")
+    from flwr.proto.message_pb2 import Context as ContextProto  # pylint: disable=E0611
+
+    reply_bytes, context_bytes = _unframe(out.stdout)
+    proto = ContextProto()
+    proto.ParseFromString(context_bytes)
+    return decode_message(reply_bytes), context_from_proto(proto)
+
+
+def one_task() -> None:
+    """``--one-task``: load the FAB's ClientApp with Flower's loader and run one message
+    (stdin: identity, message, context; stdout: reply, context). An exception fails the
+    process, as in Flower's runner."""
+    from flwr.clientapp.utils import get_load_client_app_fn
+    from flwr.common.serde import context_from_proto, context_to_proto
+    from flwr.proto.message_pb2 import Context as ContextProto  # pylint: disable=E0611
+    from flwr.supercore.task_identity import TaskIdentity
+
+    ident, message_bytes, context_bytes = _unframe(sys.stdin.buffer.read())
+    fab_id, fab_version, fab_hash, run_id, node_id, task_id = json.loads(ident)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+    message = decode_message(message_bytes)
+    proto = ContextProto()
+    proto.ParseFromString(context_bytes)
+    context = context_from_proto(proto)
+    for name in [m for m in sys.modules if m.split(".")[0] in CODE_DIRS]:
+        del sys.modules[name]   # the FAB's packages of these names, not this installation's
+    app = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)(fab_id, fab_version, fab_hash)
+    reply = app(message=message, context=context)
+    sys.stdout.buffer.write(_frames(encode_message(reply), context_to_proto(context).SerializeToString()))
+
+
+# ---------------------------------------------------------------------- the runner
+class WarmUp(threading.Thread):
+    """Loads what the ClientApp's handlers need (torch, the trainers; a first optimiser step,
+    which imports more of torch; CUDA when there is a GPU) while the runner already listens."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            import torch
+
+            import client.handlers  # noqa: F401
+
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            weight = torch.nn.Parameter(torch.ones(2, device=device))
+            opt = torch.optim.SGD([weight], lr=0.1)
+            weight.sum().backward()
+            opt.step()
+            log(INFO, "pflower runner %d: loaded in %.2f s (%s)", os.getpid(), time.perf_counter() - t0, device)
+        except BaseException as err:   # the tasks then load it themselves and fail as they would
+            self.error = err
+            log(ERROR, "pflower runner: loading the ClientApp's modules failed: %r", err)
+
+
+class Runner:
+    """Accepts tasks from the stand-ins until its SuperNode (``owner``) is gone."""
+
+    def __init__(self, address: Path, owner: int) -> None:
+        self.address, self.owner, self.lock = address, owner, threading.Lock()
+
+    def serve(self) -> None:
+        listener = Listener(str(self.address), family="AF_UNIX", authkey=auth_key(self.address.parent))
+        warm = WarmUp()   # torch, the handlers, a first optimiser step: before the first task
+        warm.start()
+        threading.Thread(target=self._watch, daemon=True).start()
+        log(INFO, "pflower runner %d: running the ClientApps of SuperNode %d", os.getpid(), self.owner)
+        shorten_object_pull_backoff()   # the task's message, while its SuperNode still receives it
+        from client.app import app
+
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError as err:
+                log(WARNING, "pflower runner: refused a connection (%s)", err)
+                continue
+            threading.Thread(target=self._task, args=(conn, app, warm), daemon=True).start()
+
+    def _task(self, conn: Connection, app: Any, warm: WarmUp) -> None:
+        with conn:
+            try:
+                argv = conn.recv_bytes().decode().split("\0")
+            except (EOFError, OSError):
+                return
+            warm.join()
+            t0 = time.perf_counter()
+            try:
+                code = profiled(lambda: run_task(list(argv), app, self.lock), "runner-task")
+            except BaseException as err:   # e.g. a bad token: SystemExit from Flower's parser
+                log(ERROR, "pflower runner: task failed before it started: %r", err)
+                code = 1
+            if os.environ.get("PFLOWER_TIMING"):
+                log(INFO, "pflower timing: task in the runner: %.2f s (exit code %d)", time.perf_counter() - t0, code)
+            try:
+                conn.send_bytes(str(code).encode())
+            except OSError:
+                pass
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(self.owner, 0)
+            except ProcessLookupError:
+                log(INFO, "pflower runner %d: SuperNode %d is gone, exiting", os.getpid(), self.owner)
+                self.address.unlink(missing_ok=True)
+                os._exit(0)
+            except PermissionError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
+    """Start the runner for SuperNode ``owner`` (this process group); returns it and its socket."""
+    address = socket_path(owner)
+    for stale in address.parent.glob("runner-*.sock"):   # runners killed with their node
+        pid = stale.stem.removeprefix("runner-")
+        if stale == address or (pid.isdigit() and not _alive(int(pid))):
+            stale.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "ops.node_runner", "--address", str(address),
+                             "--owner-pid", str(owner)], stdin=subprocess.DEVNULL)
+    return proc, address
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="pflower-supernode's ClientApp runner")
+    parser.add_argument("--address", type=Path)
+    parser.add_argument("--owner-pid", type=int)
+    parser.add_argument("--one-task", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one_task:
+        one_task()
+        return
+    if args.address is None or args.owner_pid is None:
+        parser.error("--address and --owner-pid are required")
+    Runner(args.address, args.owner_pid).serve()
+
+
+if __name__ == "__main__":
+    main()

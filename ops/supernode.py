@@ -1,0 +1,98 @@
+"""``pflower-supernode``: Flower's ``flower-supernode``, with its idle waits shortened.
+
+Flower 1.39's SuperNode asks the SuperLink for a message and, when none is waiting, sleeps
+3 s before asking again; it looks for a ClientApp's reply every 0.5 s
+(``flwr/supernode/start_client_internal.py``, both hard-coded). A SuperNode asks again right
+after it sends its reply, while the server is still aggregating, so every round of a
+deployment waited about 3 s for nothing. This command runs ``flower-supernode`` unchanged
+(same arguments, same behaviour) except that those waits last at most ``--poll-interval``
+seconds (default 0.2), and so does the SuperExec's look for ClientApp tasks (1 s by
+default; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set in the environment wins). Each wait is one small gRPC request to the SuperLink: for a
+federation of thousands of nodes raise it (``--poll-interval 3`` is Flower's own pace).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from common.flower_waits import shorten_object_pull_backoff
+
+DEFAULT_POLL_INTERVAL = 0.2
+
+
+def split_poll_interval(argv: list[str]) -> tuple[float, list[str]]:
+    """``--poll-interval S`` (or ``=S``) out of the arguments; the rest go to flower-supernode."""
+    interval, rest, i = DEFAULT_POLL_INTERVAL, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--poll-interval" or arg.startswith("--poll-interval="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            try:
+                interval = float(value)
+            except ValueError:
+                raise SystemExit(f"pflower-supernode: --poll-interval needs seconds (e.g. 0.2), got {value!r}") from None
+            if not 0.01 <= interval <= 60:
+                raise SystemExit(f"pflower-supernode: --poll-interval {interval} is not within [0.01, 60] s")
+            continue
+        rest.append(arg)
+        i += 1
+    return interval, rest
+
+
+def capped_time(cap: float) -> SimpleNamespace:
+    """The ``time`` module as the SuperNode loop sees it: every sleep at most ``cap`` s."""
+    namespace = SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("__")})
+    namespace.sleep = lambda seconds: time.sleep(min(float(seconds), cap))
+    return namespace
+
+
+def use_runner(argv: list[str]) -> tuple[bool, list[str]]:
+    """``--no-runner``: Flower's own process per message instead of the node's runner."""
+    return "--no-runner" not in argv, [a for a in argv if a != "--no-runner"]
+
+
+def start_runner() -> None:
+    """The node's ClientApp runner (``ops/node_runner.py``) and the stand-in
+    ``flwr-clientapp`` that hands it each task, first on the SuperExec's ``PATH``."""
+    from ops.node_runner import (
+        REAL_CLIENTAPP_ENV,
+        RUNNER_ENV,
+        runner_dir,
+        start_runner,
+        write_stand_in,
+    )
+
+    real = shutil.which("flwr-clientapp") or str(Path(sys.executable).parent / "flwr-clientapp")
+    if not Path(real).is_file():
+        raise SystemExit("pflower-supernode: flwr-clientapp not found; install flwr (pip install -e .)")
+    _, address = start_runner(os.getpid())
+    stand_in = write_stand_in(runner_dir() / "bin")
+    os.environ[RUNNER_ENV], os.environ[REAL_CLIENTAPP_ENV] = str(address), real
+    os.environ["PATH"] = f"{stand_in.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def main() -> None:
+    interval, rest = split_poll_interval(sys.argv[1:])
+    runner, rest = use_runner(rest)
+    import flwr.supernode.start_client_internal as loop
+    from flwr.supernode.cli import flower_supernode
+
+    if runner and "--help" not in rest and "-h" not in rest:
+        start_runner()
+
+    loop.time = capped_time(interval)   # only this module's sleeps: the pull and push loops
+    shorten_object_pull_backoff()       # the message's arrays from the SuperLink
+    # the SuperExec it starts looks for ClientApp tasks every second by default
+    os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(interval))
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()

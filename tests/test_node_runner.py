@@ -1,0 +1,184 @@
+"""``pflower-supernode`` and its ClientApp runner, without a deployment (the deployment
+tests in test_deploy.py run them for real): the stand-in ``flwr-clientapp`` hands its task to
+the runner or falls back to Flower's; which FABs run in process; another FAB's ClientApp in a
+process of its own, its Message carried without pickle; the SuperNode's shortened waits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Listener
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from common.flower_waits import shorten_object_pull_backoff
+from ops import node_runner
+from ops.supernode import capped_time, split_poll_interval, use_runner
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------- the stand-in
+@pytest.fixture()
+def runner_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(node_runner.DIR_ENV, str(tmp_path))
+    return node_runner.runner_dir()
+
+
+def _run_stand_in(stand_in: Path, env: dict[str, str], args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(stand_in), *args], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_stand_in_hands_the_task_to_the_runner_and_returns_its_exit_code(runner_dir: Path) -> None:
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    address = runner_dir / "runner-test.sock"
+    got: list[list[str]] = []
+    with Listener(str(address), family="AF_UNIX", authkey=node_runner.auth_key(runner_dir)) as listener:
+        def serve() -> None:
+            with listener.accept() as conn:
+                got.append(conn.recv_bytes().decode().split("\0"))
+                conn.send_bytes(b"7")
+        thread = threading.Thread(target=serve)
+        thread.start()
+        out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(address),
+                                       node_runner.REAL_CLIENTAPP_ENV: "/nonexistent"},
+                            ["--runtime-api-address", "127.0.0.1:1", "--token", "abc", "--insecure"])
+        thread.join(timeout=30)
+    assert out.returncode == 7, out.stderr
+    assert got == [["--runtime-api-address", "127.0.0.1:1", "--token", "abc", "--insecure"]]
+
+
+def test_stand_in_runs_flowers_clientapp_when_no_runner_listens(runner_dir: Path, tmp_path: Path) -> None:
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    real = tmp_path / "real-flwr-clientapp"
+    real.write_text(f"#!{sys.executable}\nimport sys\nprint('REAL', *sys.argv[1:])\nsys.exit(3)\n")
+    real.chmod(0o755)
+    out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(runner_dir / "runner-gone.sock"),
+                                   node_runner.REAL_CLIENTAPP_ENV: str(real)}, ["--token", "xyz"])
+    assert out.returncode == 3 and out.stdout.strip() == "REAL --token xyz"
+
+
+def test_runner_folder_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(node_runner.DIR_ENV, str(tmp_path))
+    folder = node_runner.runner_dir()
+    assert oct(folder.stat().st_mode)[-3:] == "700"
+    folder.chmod(0o755)
+    with pytest.raises(PermissionError, match="mode 700"):
+        node_runner.runner_dir()
+
+
+# ---------------------------------------------------------------------- which FABs run in process
+def test_a_fab_of_this_checkout_runs_in_process_a_changed_one_does_not(tmp_path: Path) -> None:
+    from flwr.cli.build import build_fab_from_disk
+
+    ours = build_fab_from_disk(REPO)
+    assert node_runner._same_code(ours)
+    changed = tmp_path / "changed"
+    shutil.copytree(REPO, changed, ignore=shutil.ignore_patterns(".git", "results", "__pycache__", ".gpu",
+                                                                 "*.egg-info", ".ruff_cache", ".pytest_cache"))
+    path = changed / "client" / "trainer.py"
+    path.write_text(path.read_text() + "\n# a local change\n")
+    assert not node_runner._same_code(build_fab_from_disk(changed))
+
+
+def _foreign_app(root: Path) -> Path:
+    """A Flower app whose ClientApp is ``client.app:app`` too (the name pflower uses), so
+    only a process of its own can load it; it answers with a metric only it knows."""
+    (root / "client").mkdir(parents=True)
+    (root / "client" / "__init__.py").write_text("")
+    (root / "client" / "app.py").write_text(
+        "from flwr.app import Message, MetricRecord, RecordDict, ConfigRecord\n"
+        "from flwr.clientapp import ClientApp\n"
+        "app = ClientApp()\n"
+        "@app.train()\n"
+        "def train(msg, context):\n"
+        "    x = float(msg.content.array_records['arrays']['w'].numpy().sum())\n"
+        "    context.state['seen'] = ConfigRecord({'count': 1})\n"
+        "    return Message(RecordDict({'metrics': MetricRecord({'foreign': 1.0, 'sum': x})}), reply_to=msg)\n")
+    (root / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "foreign"\nversion = "1.0.0"\ndependencies = ["flwr"]\n'
+        '[tool.hatch.build.targets.wheel]\npackages = ["client"]\n'
+        '[tool.flwr.app]\npublisher = "tests"\n'
+        '[tool.flwr.app.components]\nserverapp = "client.app:app"\nclientapp = "client.app:app"\n'
+        '[tool.flwr.app.config]\n')
+    return root
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_another_fabs_clientapp_runs_in_its_own_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.cli.build import build_fab_from_disk
+
+    content = build_fab_from_disk(_foreign_app(tmp_path / "app"))
+    import hashlib
+
+    fab = SimpleNamespace(content=content, hash_str=hashlib.sha256(content).hexdigest())
+    assert not node_runner.fab_matches(fab.hash_str, fab.content)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    run = SimpleNamespace(fab_id="tests/foreign", fab_version="1.0.0", run_id=1)
+    message = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.arange(4.0))})}), dst_node_id=5,
+                      message_type="train")
+    context = Context(run_id=1, node_id=5, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    reply, new_context = node_runner.run_in_fab_process(fab, run, message, context)
+    metrics = reply.content.metric_records["metrics"]
+    assert metrics["foreign"] == 1.0 and metrics["sum"] == 6.0          # the FAB's code ran ...
+    assert new_context.state.config_records["seen"]["count"] == 1        # ... and its state came back
+    assert reply.metadata.reply_to_message_id == message.object_id
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_message_crosses_processes_as_flowers_objects_not_pickle() -> None:
+    message = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.random.default_rng(0).random((3, 2)))}),
+                                  "config": ConfigRecord({"server-round": 4}),
+                                  "metrics": MetricRecord({"a": 0.5})}), dst_node_id=9, message_type="evaluate")
+    data = node_runner.encode_message(message)
+    assert b"\x80\x04" not in data[:2]   # not a pickle stream
+    back = node_runner.decode_message(data)
+    assert back.object_id == message.object_id and back.metadata.message_id == message.object_id
+    np.testing.assert_array_equal(back.content.array_records["arrays"]["w"].numpy(),
+                                  message.content.array_records["arrays"]["w"].numpy())
+    assert back.content.config_records["config"]["server-round"] == 4
+    assert back.metadata.message_type == "evaluate" and back.metadata.dst_node_id == 9
+
+
+# ---------------------------------------------------------------------- the SuperNode's waits
+def test_poll_interval_flag_is_taken_out_of_flowers_arguments() -> None:
+    assert split_poll_interval(["--superlink", "x:1", "--poll-interval", "0.5", "--insecure"]) == \
+        (0.5, ["--superlink", "x:1", "--insecure"])
+    assert split_poll_interval(["--poll-interval=1"]) == (1.0, [])
+    assert split_poll_interval(["--insecure"])[0] == 0.2
+    for bad in (["--poll-interval", "soon"], ["--poll-interval", "0"], ["--poll-interval"]):
+        with pytest.raises(SystemExit, match="poll-interval"):
+            split_poll_interval(bad)
+    assert use_runner(["--no-runner", "--insecure"]) == (False, ["--insecure"])
+    assert use_runner(["--insecure"]) == (True, ["--insecure"])
+
+
+def test_capped_time_shortens_sleeps_only() -> None:
+    capped = capped_time(0.05)
+    t0 = time.monotonic()
+    capped.sleep(3)                       # the SuperNode's idle wait
+    assert time.monotonic() - t0 < 1.0
+    assert capped.monotonic is time.monotonic and capped.time is time.time
+
+
+def test_object_pull_back_off_starts_short_in_this_flower() -> None:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    before = dict(inflatable_utils.pull_objects.__kwdefaults__)
+    try:
+        assert shorten_object_pull_backoff(0.05, 2.0)   # False would mean Flower changed its API
+        for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+            assert fn.__kwdefaults__["initial_backoff"] == 0.05 and fn.__kwdefaults__["backoff_cap"] == 2.0
+    finally:
+        for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+            fn.__kwdefaults__.update(initial_backoff=before["initial_backoff"], backoff_cap=before["backoff_cap"])
