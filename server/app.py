@@ -12,7 +12,8 @@ from omegaconf import DictConfig
 from common.flower_waits import shorten_object_pull_backoff
 from common.methods import build_method_model, method_options, strategy_class
 from learning.config import compose_config
-from learning.data import FederatedData, load_federated_data
+from learning.data import FederatedData
+from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
 from server.loop import run_federation
 from server.results import RunRecorder
@@ -21,7 +22,7 @@ from strategies.base import PersonalizedStrategy
 app = ServerApp()
 
 
-def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy:
+def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> PersonalizedStrategy:
     """Initial model from the run seed, then the configured strategy around it."""
     model = build_method_model(cfg, data.input_shape, data.num_classes)
     cls = strategy_class(str(cfg.strategy.name), cfg.strategy)
@@ -41,7 +42,7 @@ def build_strategy(cfg: DictConfig, data: FederatedData) -> PersonalizedStrategy
     )
 
 
-def client_info(data: FederatedData) -> dict[str, dict[str, object]]:
+def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object]]:
     return {cid: {"num_train": c.num_train, "domain": c.domain} for cid, c in data.clients.items()}
 
 
@@ -49,7 +50,8 @@ def client_info(data: FederatedData) -> dict[str, dict[str, object]]:
 def main(grid: Grid, context: Context) -> None:
     shorten_object_pull_backoff()   # replies' arrays: see common/flower_waits.py
     cfg = compose_config(dict(context.run_config))
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    # the summary from the data cache (no split is loaded on the server); built if not cached
+    data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
     recorder = RunRecorder(cfg, resume=bool(cfg.resume))
     log(INFO, "pflower: strategy=%s dataset=%s (%d clients) model=%s rounds=%d -> %s",
         cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)

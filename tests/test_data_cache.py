@@ -98,3 +98,25 @@ def test_image_folders_are_not_cached(tmp_path):
     split, info = load_client_data(cfg, 0, "0", tmp_path / "cache")
     assert info.num_classes == 2 and tensor_view(split.train) is None
     assert not (tmp_path / "cache" / cache_key(cfg, 0)).exists()
+
+
+def test_the_server_reads_a_summary_equal_to_the_built_data_without_any_split(tmp_path):
+    """The ServerApp's view of the dataset (ids, classes, input shape, each client's domain and
+    training size) comes from info.json alone once the cache holds the config; before, the
+    dataset is built (and cached) as before."""
+    cfg = compose_config(overrides=["dataset.new_clients_per_domain=1"])
+    built = build_federated_data(cfg.dataset, 0)
+    first = data_cache.load_data_summary(cfg.dataset, 0, tmp_path)   # no cache yet: built
+    assert not isinstance(first, data_cache.DataSummary)
+    folder = tmp_path / cache_key(cfg.dataset, 0)
+    for split_file in folder.glob("*.npz"):
+        split_file.unlink()   # the summary needs none of them
+    summary = data_cache.load_data_summary(cfg.dataset, 0, tmp_path)
+    assert isinstance(summary, data_cache.DataSummary)
+    assert summary.client_ids == built.client_ids and list(summary.new_clients) == list(built.new_clients)
+    assert (summary.name, summary.num_classes, tuple(summary.input_shape)) == \
+        (built.name, built.num_classes, tuple(built.input_shape))
+    for ids, full in ((summary.clients, built.clients), (summary.new_clients, built.new_clients)):
+        assert {c: (s.domain, s.num_train) for c, s in ids.items()} == \
+            {c: (s.domain, len(s.train)) for c, s in full.items()}
+    assert not isinstance(data_cache.load_data_summary(cfg.dataset, 0, None), data_cache.DataSummary)
