@@ -27,9 +27,10 @@ _AGE_AT_IMPORT = process_age()
 def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
     """With ``PFLOWER_TIMING=1``: where a message's time goes in this ClientApp process
     (``PFLOWER_PROFILE=<folder>`` also writes a cProfile file per message there).
-    In a deployment Flower starts one process per message, so the process age when the
-    handler starts is the per-message start-up cost (Python, Flower, FAB, task pull, our
-    imports); the handler's own seconds are the work. ``loaded`` = the process age when this module had been
+    Under plain ``flower-supernode`` Flower starts one process per message, so the process
+    age when the handler starts is the per-message start-up cost (Python, Flower, FAB, task
+    pull, our imports); under ``pflower-supernode`` it is the age of the node's runner, which
+    also logs its seconds per task. The handler's own seconds are the work. ``loaded`` = the process age when this module had been
     imported (Python, Flower's start and ours)."""
     age, t0 = process_age(), time.perf_counter()
     reply = profiled(lambda: call_next(msg, context), msg.metadata.message_type)

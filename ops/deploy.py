@@ -1,7 +1,7 @@
 """A real Flower deployment on this machine: one SuperLink, N SuperNodes, over gRPC.
 
 ``pflower deploy`` starts ``flower-superlink`` in deployment mode (Fleet API ``grpc-rere``)
-and one ``flower-supernode`` per client, each in its own process group, each given its
+and one ``pflower-supernode`` (``ops/supernode.py``) per client, each in its own process group, each given its
 identity, data and state directory by ``--node-config``; submits one run per strategy with
 ``flwr run . pflower --stream``; checks every run wrote a fresh ``summary.json``; and stops
 every process it started, also on failure, Ctrl-C or SIGTERM.
@@ -91,7 +91,8 @@ def supernode_command(superlink: str, config: str, runtime_port: int = SUPERNODE
                       root_certificates: str | Path | None = None,
                       private_key: str | Path | None = None, runtime_host: str = "127.0.0.1",
                       exe: str | None = None) -> list[str]:
-    """``flower-supernode`` for one client: insecure unless ``root_certificates`` is given."""
+    """``pflower-supernode`` (Flower's SuperNode with short waits and a ClientApp runner,
+    ``ops/supernode.py``) for one client: insecure unless ``root_certificates`` is given."""
     cmd = [exe or _exe("pflower-supernode"), "--superlink", superlink]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if private_key is not None:
@@ -128,7 +129,7 @@ def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[s
 
 @dataclass
 class SuperNode:
-    """One ``flower-supernode`` in its own process group; restartable with the same config."""
+    """One ``pflower-supernode`` in its own process group; restartable with the same config."""
 
     index: int
     command: list[str]

@@ -1,14 +1,17 @@
-"""``pflower-supernode``: Flower's ``flower-supernode``, with its idle waits shortened.
+"""``pflower-supernode``: Flower's ``flower-supernode`` (same arguments, same protocol) with
+three changes that took a deployment round of the default run from 20-30 s to about 2 s on
+a 2-core machine (``docs/benchmarks.md``, (d)):
 
-Flower 1.39's SuperNode asks the SuperLink for a message and, when none is waiting, sleeps
-3 s before asking again; it looks for a ClientApp's reply every 0.5 s
-(``flwr/supernode/start_client_internal.py``, both hard-coded). A SuperNode asks again right
-after it sends its reply, while the server is still aggregating, so every round of a
-deployment waited about 3 s for nothing. This command runs ``flower-supernode`` unchanged
-(same arguments, same behaviour) except that those waits last at most ``--poll-interval``
-seconds (default 0.2), and so does the SuperExec's look for ClientApp tasks (1 s by
-default; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set in the environment wins). Each wait is one small gRPC request to the SuperLink: for a
-federation of thousands of nodes raise it (``--poll-interval 3`` is Flower's own pace).
+- Its idle waits last at most ``--poll-interval`` seconds (default 0.2). Flower 1.39's
+  SuperNode sleeps 3 s when the SuperLink has no message for it and looks for a ClientApp's
+  reply every 0.5 s (``flwr/supernode/start_client_internal.py``, both hard-coded); it asks
+  again right after sending its reply, while the server still aggregates, so every round
+  waited about 3 s for nothing. Its SuperExec looks for tasks at the same pace (1 s by
+  default; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set in the environment wins). Each wait is
+  one small request to the SuperLink: for thousands of nodes raise it (3 is Flower's pace).
+- Its ClientApps run in one long-lived runner per node (``ops/node_runner.py``) instead of
+  one fresh process per message (``--no-runner``: Flower's processes).
+- Its object pulls back off from 0.05 s, not 1 s (``common/flower_waits.py``).
 """
 
 from __future__ import annotations
