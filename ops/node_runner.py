@@ -384,19 +384,16 @@ class Runner:
                 pass
 
     def _watch(self) -> None:
-        while True:
+        """Exit when the SuperNode is gone (its socket with it)."""
+        while _alive(self.owner):
             time.sleep(1.0)
-            try:
-                os.kill(self.owner, 0)
-            except ProcessLookupError:
-                log(INFO, "pflower runner %d: SuperNode %d is gone, exiting", os.getpid(), self.owner)
-                self.address.unlink(missing_ok=True)
-                os._exit(0)
-            except PermissionError:
-                pass
+        log(INFO, "pflower runner %d: SuperNode %d is gone, exiting", os.getpid(), self.owner)
+        self.address.unlink(missing_ok=True)
+        os._exit(0)
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -182,3 +182,24 @@ def test_object_pull_back_off_starts_short_in_this_flower() -> None:
     finally:
         for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
             fn.__kwdefaults__.update(initial_backoff=before["initial_backoff"], backoff_cap=before["backoff_cap"])
+
+
+def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:
+    """A SuperNode killed alone (not its process group) leaves no runner behind."""
+    supernode = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    address = runner_dir / f"runner-{supernode.pid}.sock"
+    runner = subprocess.Popen([sys.executable, "-m", "ops.node_runner", "--address", str(address),
+                               "--owner-pid", str(supernode.pid)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        while not address.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert address.exists(), "the runner never listened"
+        supernode.kill()
+        supernode.wait()
+        assert runner.wait(timeout=30) == 0
+        assert not address.exists()
+    finally:
+        for proc in (supernode, runner):
+            if proc.poll() is None:
+                proc.kill()
