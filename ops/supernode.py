@@ -86,7 +86,12 @@ def main() -> None:
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
-    if runner and "--help" not in rest and "-h" not in rest:
+    if "--help" in rest or "-h" in rest:
+        print(f"pflower-supernode: flower-supernode's options below, and\n"
+              f"  --poll-interval S  longest idle wait of the SuperNode and its SuperExec, seconds "
+              f"(default {DEFAULT_POLL_INTERVAL})\n"
+              f"  --no-runner        one process per message, as Flower does (default: one runner per node)\n")
+    elif runner:
         start_runner()
 
     loop.time = capped_time(interval)   # only this module's sleeps: the pull and push loops
