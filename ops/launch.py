@@ -69,13 +69,13 @@ def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     _signal_all(detached, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and (_group_alive(proc.pid) or any(map(_pid_alive, detached))):
+    while time.monotonic() < deadline and (_group_alive(proc.pid) or any(map(pid_alive, detached))):
         time.sleep(0.1)
         with contextlib.suppress(Exception):
             proc.poll()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    _signal_all([p for p in detached if _pid_alive(p)], signal.SIGKILL)
+    _signal_all([p for p in detached if pid_alive(p)], signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=2)
 
@@ -109,7 +109,8 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, counts as gone)."""
     out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
     return bool(out.stdout.strip()) and not out.stdout.strip().startswith("Z")
 

@@ -49,6 +49,7 @@ from flwr.common.logger import log
 
 from client.timing import profiled
 from common.flower_waits import shorten_object_pull_backoff
+from ops.launch import pid_alive
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
 REAL_CLIENTAPP_ENV = "PFLOWER_REAL_CLIENTAPP"  # Flower's flwr-clientapp, the stand-in's fallback
@@ -385,22 +386,11 @@ class Runner:
 
     def _watch(self) -> None:
         """Exit when the SuperNode is gone (its socket with it)."""
-        while _alive(self.owner):
+        while pid_alive(self.owner):
             time.sleep(1.0)
         log(INFO, "pflower runner %d: SuperNode %d is gone, exiting", os.getpid(), self.owner)
         self.address.unlink(missing_ok=True)
         os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
@@ -408,7 +398,7 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
     address = socket_path(owner)
     for stale in address.parent.glob("runner-*.sock"):   # runners killed with their node
         pid = stale.stem.removeprefix("runner-")
-        if stale == address or (pid.isdigit() and not _alive(int(pid))):
+        if stale == address or (pid.isdigit() and not pid_alive(int(pid))):
             stale.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "ops.node_runner", "--address", str(address),
                              "--owner-pid", str(owner)], stdin=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
 """``pflower-supernode``: Flower's ``flower-supernode`` (same arguments, same protocol) with
-three changes that took a deployment round of the default run from 20-30 s to about 2 s on
-a 2-core machine (``docs/benchmarks.md``, (d)):
+three changes that took a deployment round of ``experiment=deploy-3`` from 20-30 s to
+2.3-2.6 s on a 2-core machine (``docs/benchmarks.md``, (d)):
 
 - Its idle waits last at most ``--poll-interval`` seconds (default 0.2). Flower 1.39's
   SuperNode sleeps 3 s when the SuperLink has no message for it and looks for a ClientApp's
