@@ -24,6 +24,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -43,6 +45,7 @@ def _num(x: float) -> str:
 
 
 EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
+DEFAULT_MAX_RECOVERIES = 3   # automatic resumes of a run whose processes died
 ACTORS_PER_GPU = 8  # each client actor holds its own CUDA context (about 0.5 GB) and model
 
 
@@ -84,9 +87,10 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     folder (another run's results, or a live run writing it)."""
     from learning.data import image_tree_problems
     from learning.data_cache import fill_cache, resolve_cache_dir
+    from ops.recovery import expand_resume
     from server.results import RunFolderError, check_run_folder, lock_is_held
 
-    run_cfg, rest = split_overrides(args.overrides)
+    run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     cfg = compose_config(run_cfg, rest)
     n = num_clients(cfg.dataset)
@@ -98,7 +102,7 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     # builds every split (fails here, not in a client) and caches them for the clients
     fill_cache(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
     if cfg.resume:
-        run_cfg, rest = resume_overrides(cfg, n, run_cfg, rest)
+        run_cfg, rest = resume_overrides(cfg, run_cfg, rest)
     run_dir = Path(cfg.results_root) / cfg.run_name
     try:
         check_run_folder(run_dir, bool(cfg.resume), bool(cfg.overwrite))
@@ -110,8 +114,91 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     return cfg, run_cfg, rest, n
 
 
+@dataclass
+class Attempt:
+    """How one submission of the run ended: flwr's exit code, and, when the run died (no
+    fresh summary.json and no FAILED from the ServerApp), why and where its output was kept."""
+
+    code: int
+    died: str = ""
+    evidence: Path | None = None
+
+
+class SimulationWatch:
+    """Whether a simulation's processes are still there, asked once a second while
+    ``flwr run --stream`` waits: False once the SuperLink has exited, or once the
+    ``flwr-simulation`` process (seen before) has been gone for ``grace_s`` (a run that
+    completes ends its stream within a second of its simulation exiting)."""
+
+    def __init__(self, link: object, grace_s: float = 20.0) -> None:
+        self.link, self.grace_s = link, grace_s
+        self.seen, self.gone_since, self.reason = False, None, ""
+
+    def __call__(self) -> bool:
+        from ops.launch import cmdline, process_tree
+
+        proc = getattr(self.link, "proc", None)
+        if proc is None or proc.poll() is not None:
+            self.reason = "the SuperLink exited"
+            return False
+        running = any("flwr-simulation" in cmdline(p) for p in process_tree(proc.pid)[1:])
+        if running:
+            self.seen, self.gone_since = True, None
+            return True
+        if self.seen:
+            self.gone_since = self.gone_since or time.monotonic()
+            if time.monotonic() - self.gone_since > self.grace_s:
+                self.reason = f"the simulation process exited and the run had not ended {self.grace_s:.0f} s later"
+                return False
+        return True
+
+
+def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federation: str,
+             keep: Path | None, attempt: int) -> Attempt:
+    """Submit the run once on a private SuperLink; on a death, keep the SuperLink's folder
+    (its log holds the SuperExec's and the simulation's output) in ``<run>/failures``."""
+    from ops.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
+    from ops.recovery import death_reason, keep_evidence
+
+    run_dir = Path(cfg.results_root) / cfg.run_name
+    started = time.time()
+    with simulation_superlink(keep_in=keep) as (link, flwr_home):
+        print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
+        write_pid_file(run_dir, link)
+        watch = SimulationWatch(link)
+        code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch)
+        if code != 0 and not watch.reason:
+            follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds), alive=watch)
+        if fresh(run_dir / "summary.json", started):
+            return Attempt(code)
+        # any failure keeps the processes' own output with the run
+        info = run_info(flwr_home) if link.proc is not None and link.proc.poll() is None else None
+        log_text = run_log(flwr_home, str(info["run-id"])) if info and "run-id" in info else ""
+        evidence = None
+        with contextlib.suppress(OSError):
+            evidence = keep_evidence(link.workdir, run_dir, attempt, info, log_text)
+        if fresh(run_dir / "FAILED", started):   # the ServerApp said why
+            return Attempt(code, evidence=evidence)
+        reason = death_reason(code, info, _read(link.workdir / "superlink.log") + log_text, watch.reason)
+        return Attempt(code, died=reason, evidence=evidence)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def fresh(path: Path, since: float) -> bool:
+    """Whether ``path`` was written at or after ``since`` (by this attempt)."""
+    return path.exists() and path.stat().st_mtime >= since
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from ops.launch import APP_DIR, LaunchError, flwr_run, simulation_superlink
+    from ops.launch import LaunchError
+    from server.checkpoint import checkpoint_round
+    from server.results import record_recovery
 
     try:
         cfg, run_cfg, rest, n = preflight(args)
@@ -127,21 +214,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}"
           + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else ""))
     keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
+    max_recoveries = int(getattr(args, "max_recoveries", DEFAULT_MAX_RECOVERIES))
+    recoveries, last_round = 0, checkpoint_round(run_dir) if cfg.resume else None
     try:
-        with simulation_superlink(keep_in=keep) as (link, flwr_home):
-            print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
-            write_pid_file(run_dir, link)
-            code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation)
-            if code != 0:
-                follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds))
+        while True:
+            attempt = run_once(cfg, run_cfg, rest, federation, keep, recoveries + 1)
+            if not attempt.died:
+                break
+            after = checkpoint_round(run_dir)
+            print(f"pflower: the run died: {attempt.died}; its processes' output is in {attempt.evidence}",
+                  file=sys.stderr, flush=True)
+            if after is None or recoveries >= max_recoveries or after == last_round:
+                why = ("no checkpoint was written" if after is None else
+                       "automatic recovery is off (--max-recoveries 0)" if max_recoveries <= 0 else
+                       f"{recoveries} recoveries already (--max-recoveries {max_recoveries})"
+                       if recoveries >= max_recoveries else
+                       f"no round completed since the last recovery (still round {after})")
+                return report_failure(run_dir, f"run did not complete ({attempt.died}); not recovering: {why}")
+            recoveries, last_round = recoveries + 1, after
+            record_recovery(run_dir, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": after,
+                                      "reason": attempt.died, "evidence": str(attempt.evidence or "")})
+            print(f"pflower: recovering ({recoveries} of at most {max_recoveries}): resuming {run_dir} "
+                  f"from its checkpoint of round {after}", file=sys.stderr, flush=True)
+            cfg, run_cfg, rest = resume_config(run_dir)
     except LaunchError as err:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("pflower: interrupted; all Flower processes were stopped", file=sys.stderr)
         return 130
+    code = attempt.code
     failed = run_dir / "FAILED"
-    if failed.exists() and failed.stat().st_mtime >= started:
+    if fresh(failed, started):
+        if attempt.evidence is not None:
+            print(f"pflower: the SuperLink's and the simulation's output is in {attempt.evidence}",
+                  file=sys.stderr)
         return report_failure(run_dir, failed.read_text().strip())
     if not summary.exists() or summary.stat().st_mtime < started:
         return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
@@ -162,6 +269,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"pflower: new clients (personalised, {cfg.personalize.epochs} epochs at lr {cfg.personalize.lr}): "
               f"accuracy mean {s['new_client_accuracy_mean']:.4f} min {s['new_client_accuracy_min']:.4f}")
     return report_done(s, summary)
+
+
+def resume_config(run_dir: Path) -> tuple[DictConfig, dict[str, str], list[str]]:
+    """The configuration that resumes ``run_dir`` (its saved overrides plus ``resume=``), as
+    ``pflower run resume=<run_dir>`` composes it."""
+    from ops.recovery import expand_resume
+
+    run_cfg, rest = split_overrides(expand_resume([f"resume={run_dir}"]))
+    run_cfg, rest = resume_overrides(compose_config(run_cfg, rest), run_cfg, rest, quiet=True)
+    return compose_config(run_cfg, rest), run_cfg, rest
 
 
 def report_done(s: dict, summary: Path) -> int:
@@ -195,13 +312,20 @@ ACTIVE = ("pending", "starting", "running")
 
 
 def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
-                             poll_s: float = 3.0) -> None:
+                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None) -> None:
     """``flwr run --stream`` can exit while the run goes on (the log stream to the SuperLink
-    dropped). Ask the SuperLink: while the run is still active, follow its progress from
-    ``metrics.jsonl`` until it finishes, instead of killing a healthy run."""
+    dropped, e.g. a SuperLink too busy to answer in time). Ask the SuperLink (a few times:
+    the same load may delay that answer): while the run is still active, follow its progress
+    from ``metrics.jsonl`` until it finishes or its processes are gone (``alive``), instead
+    of killing a healthy run."""
     from ops.launch import run_status
 
-    status = run_status(flwr_home)
+    status = None
+    for _ in range(5):
+        status = run_status(flwr_home)
+        if status is not None or (alive is not None and not alive()):
+            break
+        time.sleep(poll_s)
     if status is None or not status.startswith(ACTIVE):
         return
     print(f"pflower: the log stream ended (flwr exit code {code}) but the run is still {status} on "
@@ -218,6 +342,9 @@ def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: 
         seen = len(lines)
         status = run_status(flwr_home)
         unreachable = unreachable + 1 if status is None else 0
+        if alive is not None and not alive():
+            print("pflower: the run's processes are gone", file=sys.stderr, flush=True)
+            return
         if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
             print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
             return
@@ -237,56 +364,12 @@ def write_pid_file(run_dir: Path, link: object) -> None:
     atomic_write_text(run_dir / PID_FILE, json.dumps(info))
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (Linux ``/proc``), parents first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def kill_tree(root: int) -> None:
-    """SIGKILL ``root``, its descendants and their process groups (Flower starts the
-    SuperLink, its SuperExec and the simulation in separate sessions; Ray's processes are
-    in the simulation's group). Never touches the caller's own process group."""
-    own = os.getpgrp()
-    for _ in range(3):  # processes may spawn while we walk: repeat until nothing is left
-        pids = [p for p in process_tree(root) if Path(f"/proc/{p}").exists()]
-        if not pids:
-            return
-        groups = set()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                groups.add(os.getpgid(pid))
-        for pgid in groups - {own}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-
-
 def stale_processes(run_dir: Path) -> None:
     """Before resuming: refuse if the run's ``pflower`` is still alive; stop the SuperLink
     process group it left behind if it was killed (e.g. SIGKILL), which would otherwise
     keep running the old attempt into the same folder."""
+    from ops.launch import cmdline, kill_tree
+
     path = run_dir / PID_FILE
     if not path.exists():
         return
@@ -295,16 +378,16 @@ def stale_processes(run_dir: Path) -> None:
     except (OSError, json.JSONDecodeError):
         return
     pid, pgid = info.get("pflower"), info.get("superlink_pgid")
-    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in _cmdline(pid) or "ops.cli" in _cmdline(pid)):
+    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in cmdline(pid) or "ops.cli" in cmdline(pid)):
         raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
                           f"(kill {pid}) or wait for it to finish")
-    if isinstance(pgid, int) and "flower-superlink" in _cmdline(pgid):
+    if isinstance(pgid, int) and "flower-superlink" in cmdline(pgid) or "ops.superlink" in cmdline(pgid):
         print(f"pflower: stopping the SuperLink (pid {pgid}) and its processes, left running by "
               "the interrupted run", file=sys.stderr)
         kill_tree(pgid)
 
 
-def resume_overrides(cfg: DictConfig, n: int, run_cfg: dict[str, str], rest: list[str]
+def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], quiet: bool = False
                      ) -> tuple[dict[str, str], list[str]]:
     """``resume=<run dir>``: verify the folder and its checkpoint (checksum, strategy,
     model, dataset, seed, clients, round) before anything starts, and make the resumed run
@@ -316,11 +399,12 @@ def resume_overrides(cfg: DictConfig, n: int, run_cfg: dict[str, str], rest: lis
     if not run_dir.is_dir():
         raise ConfigError(f"resume={run_dir} is not a run folder; give the path of an earlier run")
     try:
-        last = check_checkpoint(run_dir, checkpoint_identity(cfg, n), int(cfg.rounds))
+        last = check_checkpoint(run_dir, checkpoint_identity(cfg, num_clients(cfg.dataset)), int(cfg.rounds))
     except CheckpointError as err:
         raise ConfigError(f"cannot resume: {err}") from err
-    stale_processes(run_dir)
-    print(f"pflower: resuming {run_dir} after round {last}")
+    if not quiet:
+        stale_processes(run_dir)
+        print(f"pflower: resuming {run_dir} after round {last}")
     run_cfg = {**run_cfg, "run-name": str(cfg.run_name), "results-root": str(cfg.results_root)}
     rest = [o for o in rest if not o.lstrip("+").startswith("resume=")] + [f"resume={run_dir}"]
     return run_cfg, rest
@@ -354,7 +438,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   "(overwrite=true to run it again)", flush=True)
             runs.append(root / cfg.run_name)
             continue
-        code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus))
+        code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                                          max_recoveries=args.max_recoveries))
         if code not in (0, EXIT_PARTIAL):
             failures += 1
             continue
@@ -412,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                         "machine's GPUs when CUDA is present, 0 without)")
     p.add_argument("--keep-temp", action="store_true",
                    help="keep the private SuperLink's folder (log, database) as <run folder>/superlink")
+    p.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES,
+                   help="times a run whose processes died is resumed from its checkpoint by itself "
+                        f"(default {DEFAULT_MAX_RECOVERIES}; 0 = never)")
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("compare", help="compare run folders in one table and plot")
     c.add_argument("runs", nargs="+")
@@ -425,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plot", default="")
     s.add_argument("--num-cpus", type=float, default=1.0)
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
+    s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.set_defaults(func=cmd_sweep)
     from ops.adapt import add_parser as add_adapt_parser
     from ops.deploy import add_parser as add_deploy_parser

@@ -115,7 +115,7 @@ def container_superlink_command(mode: str) -> list[str]:
     link = SuperLink(simulation=False, host="0.0.0.0", insecure=mode == "insecure",
                      fleet_port=FLEET_PORT, http_port=CONTROL_PORT, workdir=Path(CONTAINER_STATE),
                      extra_args=superlink_tls_args(Path(CONTAINER_CERTS)) if mode == "tls" else ())
-    return ["flower-superlink", *link.command()[1:]]
+    return ["flower-superlink", *link.args()]
 
 
 def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[str]:
@@ -259,6 +259,17 @@ class Deployment:
         self.extra.append(node)
         return node.start()
 
+    def link_alive(self) -> bool:
+        return self.link is not None and self.link.proc is not None and self.link.proc.poll() is None
+
+    def restart_link(self) -> None:
+        """Start the SuperLink again on its database, ports and certificates (after it
+        died): registered SuperNode keys stay registered, and the SuperNodes reconnect by
+        themselves (Flower retries the Fleet connection without limit by default)."""
+        assert self.link is not None
+        self.link.stop()   # whatever is left of its process group
+        self.link.start(attempts=5, keep_ports=True)
+
     def restart_node(self, index: int) -> SuperNode:
         """Stop SuperNode ``index`` (its whole process group) and start it again, same config."""
         node = self.nodes[index]
@@ -280,10 +291,11 @@ class Deployment:
 
     # ------------------------------------------------------------------ runs
     def run(self, run_config: str, timeout: float | None = None) -> int:
-        """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code."""
-        if self.link is None or self.link.proc is None or self.link.proc.poll() is not None:
+        """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code
+        (:data:`~ops.launch.EXIT_WORK_GONE` when the SuperLink exited during the run)."""
+        if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
-        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout)
+        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.link_alive)
 
     def logs(self, lines: int = 15) -> str:
         parts = []
@@ -335,6 +347,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     )
     from learning.data import DatasetError, num_clients
     from learning.data_cache import fill_cache, resolve_cache_dir
+    from ops.recovery import expand_resume
     from server.results import RunFolderError, check_run_folder
 
     jobs: list[tuple[str, Path]] = []
@@ -342,7 +355,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     results_root: Path | None = None
     try:
         for combo in expand_grid(list(args.overrides)):
-            run_cfg, rest = split_overrides(combo)
+            run_cfg, rest = split_overrides(expand_resume(combo, "pflower deploy"))
             run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
             cfg = compose_config(run_cfg, rest)
             n = num_clients(cfg.dataset)
@@ -395,15 +408,12 @@ def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path]], nodes: int, args
                       f"{dep.link.control_address} ({dep.mode}), {nodes} SuperNodes; logs in {dep.workdir}",
                       flush=True)
                 for run_config, run_dir in jobs:
-                    print(f"pflower deploy: flwr run {APP_DIR} {FEDERATION} --run-config '{run_config}'",
-                          flush=True)
-                    started = time.time()
-                    code = dep.run(run_config, timeout=args.timeout or None)
-                    ok, text = run_result(run_dir, started, code)
+                    ok, text = _deploy_one(dep, run_config, run_dir, args)
                     print(f"pflower deploy: {'done' if ok else 'FAILED'}: {text}", flush=True)
                     if not ok:
                         failures += 1
                         print(dep.logs(), file=sys.stderr)
+                        print(f"pflower deploy: resume with: {resume_command(run_dir, args)}", file=sys.stderr)
         except LaunchError as err:
             print(f"pflower deploy: could not start the deployment: {err}", file=sys.stderr)
             return 3
@@ -416,6 +426,45 @@ def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path]], nodes: int, args
                   file=sys.stderr)
             return 130
     return 1 if failures else 0
+
+
+def resume_command(run_dir: Path, args: argparse.Namespace) -> str:
+    """The command that resumes ``run_dir`` on a deployment like this one."""
+    flags = [f"--mode {args.mode}"] if args.mode != "tls" else []
+    flags += [f"--nodes {args.nodes}"] if args.nodes else []
+    flags += [f"--data-root {args.data_root}"] if args.data_root else []
+    return " ".join(["pflower deploy", *flags, f"resume={run_dir}"])
+
+
+def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, args: argparse.Namespace) -> tuple[bool, str]:
+    """Submit one run; when the SuperLink exits during it, start the SuperLink again on its
+    database and resume the run from its checkpoint (at most ``--max-recoveries`` times)."""
+    from learning.config import split_overrides, to_toml_run_config
+    from ops.recovery import expand_resume
+    from server.checkpoint import checkpoint_round
+    from server.results import record_recovery
+
+    recoveries = 0
+    while True:
+        print(f"pflower deploy: flwr run {APP_DIR} {FEDERATION} --run-config '{run_config}'", flush=True)
+        started = time.time()
+        code = dep.run(run_config, timeout=args.timeout or None)
+        ok, text = run_result(run_dir, started, code)
+        if ok or dep.link_alive():
+            return ok, text
+        after = checkpoint_round(run_dir)
+        if after is None or recoveries >= args.max_recoveries:
+            return False, f"{text}; the SuperLink exited during the run (not recovering: " + (
+                "no checkpoint was written)" if after is None else f"--max-recoveries {args.max_recoveries})")
+        recoveries += 1
+        reason = f"the SuperLink exited during the run (flwr exit code {code})"
+        print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "
+              f"its checkpoint of round {after} ({recoveries} of at most {args.max_recoveries})",
+              file=sys.stderr, flush=True)
+        record_recovery(run_dir, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": after,
+                                  "reason": reason, "evidence": str(dep.link.workdir / "superlink.log")})
+        dep.restart_link()
+        run_config = to_toml_run_config(*split_overrides(expand_resume([f"resume={run_dir}"], "pflower deploy")))
 
 
 def add_parser(sub: Any) -> None:
@@ -432,6 +481,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--workdir", default="", help="folder for certificates, logs, SuperLink db and node state")
     d.add_argument("--data-root", default="", help="data-root given to every SuperNode (node-config)")
     d.add_argument("--timeout", type=float, default=0.0, help="seconds per run before giving up (0 = none)")
+    d.add_argument("--max-recoveries", type=int, default=3,
+                   help="times a run whose SuperLink exited is resumed on the restarted SuperLink (0 = never)")
     d.add_argument("--keep-temp", action="store_true",
                    help="keep the temporary work folder (logs, public certificates; private keys are "
                         "always deleted) as <first run folder>/deploy")

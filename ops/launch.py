@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 APP_DIR = Path(__file__).resolve().parent.parent
 FEDERATION = "pflower"
@@ -64,36 +65,60 @@ def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     linger until they notice their parent is gone)."""
     if proc.poll() is not None and not _group_alive(proc.pid):
         return
-    detached = [p for p in _descendants(proc.pid) if _pgid(p) not in (proc.pid, None)]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    detached = [p for p in process_tree(proc.pid)[1:] if _pgid(p) not in (proc.pid, None)]
+    # their groups too: a simulation killed on its own leaves Ray's agents orphaned (their
+    # parent is gone, so they are no descendants) in its SuperExec's group
+    groups = ({proc.pid} | {g for g in map(_pgid, detached) if g is not None}) - {os.getpgrp()}
+    _signal_groups(groups, signal.SIGTERM)
     _signal_all(detached, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and (_group_alive(proc.pid) or any(map(pid_alive, detached))):
+    while time.monotonic() < deadline and (any(map(_group_alive, groups)) or any(map(pid_alive, detached))):
         time.sleep(0.1)
         with contextlib.suppress(Exception):
             proc.poll()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    _signal_groups(groups, signal.SIGKILL)
     _signal_all([p for p in detached if pid_alive(p)], signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=2)
 
 
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (children, grandchildren, ...), via ``ps``."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+# Process checks read Linux's /proc directly: slim container images have no `ps`.
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` (empty when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _all_stats() -> dict[int, list[str]]:
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(int(entry.name))
+        if fields is not None:
+            out[int(entry.name)] = fields
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its live descendants (children, grandchildren, ...), parents first."""
     children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        with contextlib.suppress(ValueError):
-            child, parent = (int(x) for x in line.split())
-            children.setdefault(parent, []).append(child)
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    for pid, fields in _all_stats().items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(sorted(children.get(pid, [])))
+    return out
 
 
 def _pgid(pid: int) -> int | None:
@@ -101,6 +126,12 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def _signal_groups(pgids: set[int], sig: int) -> None:
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
 
 
 def _signal_all(pids: Sequence[int], sig: int) -> None:
@@ -111,20 +142,36 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not yet reaped, counts as gone)."""
-    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
-    return bool(out.stdout.strip()) and not out.stdout.strip().startswith("Z")
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is in process group ``pgid``."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # zombies count as gone
-    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True)
-    return any(s and not s.startswith("Z") for s in out.stdout.split())
+    return any(int(f[2]) == pgid and f[0] not in ("Z", "X") for f in _all_stats().values())
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root``, its descendants and their process groups (Flower starts the
+    SuperLink, its SuperExec and the simulation in separate sessions; Ray's processes are
+    in the simulation's group). Never touches the caller's own process group."""
+    own = os.getpgrp()
+    for _ in range(3):  # processes may spawn while we walk: repeat until nothing is left
+        pids = [p for p in process_tree(root) if pid_alive(p)]
+        if not pids:
+            return
+        groups = {g for g in map(_pgid, pids) if g is not None}
+        for pgid in groups - {own}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        _signal_all(pids, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 @dataclass
@@ -150,7 +197,13 @@ class SuperLink:
         return f"{self.host}:{self.fleet_port}"
 
     def command(self) -> list[str]:
-        cmd = [_exe("flower-superlink")]
+        """``python -m ops.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
+        timeout, ``common/flower_waits.py``) and :meth:`args`."""
+        return [sys.executable, "-m", "ops.superlink", *self.args()]
+
+    def args(self) -> list[str]:
+        """The SuperLink's flags: ports, database, isolation, simulation or deployment."""
+        cmd = []
         if self.insecure:
             cmd.append("--insecure")
         cmd += ["--isolation", "subprocess",
@@ -162,15 +215,16 @@ class SuperLink:
             cmd.append("--simulation")
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 60.0, attempts: int = 2) -> SuperLink:
+    def start(self, timeout: float = 60.0, attempts: int = 2, keep_ports: bool = False) -> SuperLink:
         """Start and wait until the Control API listens. A start that fails (e.g. killed
         under load, or a port taken between choosing and binding it) is retried once on
-        fresh ports; the error names the cause, the ports and the SuperLink's own output."""
+        fresh ports (on the same ports with ``keep_ports``: a restart that SuperNodes must
+        find again); the error names the cause, the ports and the SuperLink's own output."""
         errors = []
         self.workdir.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, attempts + 1):
             log_path = self.workdir / "superlink.log"
-            self.proc = subprocess.Popen(self.command(), stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.command(), stdout=log_path.open("a"), stderr=subprocess.STDOUT,
                                          start_new_session=True, env=flower_env())
             try:
                 wait_for_port(self.host, self.http_port, timeout, self.proc)
@@ -180,9 +234,12 @@ class SuperLink:
                 log = _tail(log_path) or "(empty: it stopped before writing anything)"
                 errors.append(f"attempt {attempt}: {err} (fleet port {self.fleet_port}); SuperLink log:\n{log}")
                 if attempt < attempts:
-                    print(f"pflower: the SuperLink did not start ({err}); retrying on fresh ports",
-                          file=sys.stderr, flush=True)
-                    self.fleet_port, self.http_port = free_port(), free_port()
+                    print(f"pflower: the SuperLink did not start ({err}); retrying on "
+                          f"{'the same' if keep_ports else 'fresh'} ports", file=sys.stderr, flush=True)
+                    if keep_ports:
+                        time.sleep(2.0)
+                    else:
+                        self.fleet_port, self.http_port = free_port(), free_port()
         raise LaunchError("\n".join(errors) + "\nThe SuperLink failed twice. If it was killed (signal), "
                           "the machine may be short of memory or another tool stops processes; if a port "
                           "is taken, run again (ports are chosen afresh each time).")
@@ -239,23 +296,40 @@ def write_flwr_config(flwr_home: Path, control_address: str, root_certificates: 
     return path
 
 
+EXIT_WORK_GONE = -1000   # flwr_run: ``alive`` said the run's processes are gone
+
+
 def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config: str = "",
-             timeout: float | None = None) -> int:
-    """``flwr run <app> pflower --stream`` with our FLWR_HOME; returns its exit code."""
+             timeout: float | None = None, alive: Callable[[], bool] | None = None) -> int:
+    """``flwr run <app> pflower --stream`` with our FLWR_HOME; returns its exit code.
+
+    With ``alive``, asked every second, the stream is stopped as soon as it says the run's
+    processes are gone (returns :data:`EXIT_WORK_GONE`): the SuperLink would otherwise keep
+    a dead run "running" until its heartbeat timeout."""
     cmd = [_exe("flwr"), "run", str(app_dir), FEDERATION, "--stream", "--run-config", run_config]
     if federation_config:
         cmd += ["--federation-config", federation_config]
     proc = subprocess.Popen(cmd, env=flower_env(flwr_home), start_new_session=True)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return proc.wait(timeout=timeout)
+        while True:
+            step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                return proc.wait(timeout=step)
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                if alive is not None and not alive():
+                    kill_group(proc)
+                    return EXIT_WORK_GONE
     except BaseException:
         kill_group(proc)
         raise
 
 
-def run_status(flwr_home: Path) -> str | None:
-    """Status of the latest run on our SuperLink (``running``, ``finished:completed``, ...),
-    from ``flwr ls --format json``; None when the SuperLink cannot be asked."""
+def run_info(flwr_home: Path) -> dict[str, Any] | None:
+    """The latest run on our SuperLink as ``flwr ls --format json`` gives it (status,
+    details, times, ...); None when the SuperLink cannot be asked."""
     import json
 
     try:
@@ -264,9 +338,25 @@ def run_status(flwr_home: Path) -> str | None:
         runs = json.loads(out.stdout).get("runs", [])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
         return None
-    if not runs:
-        return None
-    return str(runs[-1].get("status", "")) or None
+    return dict(runs[-1]) if runs else None
+
+
+def run_log(flwr_home: Path, run_id: str) -> str:
+    """The run's log as the SuperLink stored it (``flwr log <run> --show``: the ServerApp's
+    and the simulation's output); empty when the SuperLink cannot be asked."""
+    try:
+        out = subprocess.run([_exe("flwr"), "log", str(run_id), FEDERATION, "--show"], env=flower_env(flwr_home),
+                             capture_output=True, text=True, timeout=60)
+    except (subprocess.TimeoutExpired, OSError):
+        return ""
+    return out.stdout
+
+
+def run_status(flwr_home: Path) -> str | None:
+    """Status of the latest run on our SuperLink (``running``, ``finished:completed``, ...);
+    None when the SuperLink cannot be asked."""
+    info = run_info(flwr_home)
+    return (str(info.get("status", "")) or None) if info else None
 
 
 def remove_private_files(folder: Path) -> None:

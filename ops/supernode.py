@@ -1,5 +1,5 @@
 """``pflower-supernode``: Flower's ``flower-supernode`` (same arguments, same protocol) with
-three changes that took a deployment round of ``experiment=deploy-3`` from 20-30 s to
+changes that took a deployment round of ``experiment=deploy-3`` from 20-30 s to
 2.3-2.6 s on a 2-core machine (``docs/benchmarks.md``, (d)):
 
 - Its idle waits last at most ``--poll-interval`` seconds (default 0.2). Flower 1.39's
@@ -12,6 +12,8 @@ three changes that took a deployment round of ``experiment=deploy-3`` from 20-30
 - Its ClientApps run in one long-lived runner per node (``ops/node_runner.py``) instead of
   one fresh process per message (``--no-runner``: Flower's processes).
 - Its object pulls back off from 0.05 s, not 1 s (``common/flower_waits.py``).
+- A ClientApp task may miss heartbeats for 10 minutes, not 60 s, before it is failed
+  (``common/flower_waits.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common.flower_waits import shorten_object_pull_backoff
+from common.flower_waits import lengthen_task_heartbeat_ttl, shorten_object_pull_backoff
 
 DEFAULT_POLL_INTERVAL = 0.2
 
@@ -96,6 +98,7 @@ def main() -> None:
 
     loop.time = capped_time(interval)   # only this module's sleeps: the pull and push loops
     shorten_object_pull_backoff()       # the message's arrays from the SuperLink
+    lengthen_task_heartbeat_ttl()       # a ClientApp busy on a loaded machine is not failed at 60 s
     # the SuperExec it starts looks for ClientApp tasks every second by default
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(interval))
     sys.argv = ["flower-supernode", *rest]

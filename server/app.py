@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from common.flower_waits import shorten_object_pull_backoff
 from common.methods import build_method_model, method_options, strategy_class
-from learning.config import compose_config
+from learning.config import compose_config, run_config_to_overrides
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
@@ -52,7 +52,8 @@ def main(grid: Grid, context: Context) -> None:
     cfg = compose_config(dict(context.run_config))
     # the summary from the data cache (no split is loaded on the server); built if not cached
     data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
-    recorder = RunRecorder(cfg, resume=bool(cfg.resume))
+    recorder = RunRecorder(cfg, resume=bool(cfg.resume),
+                           overrides=run_config_to_overrides(dict(context.run_config)))
     log(INFO, "pflower: strategy=%s dataset=%s (%d clients) model=%s rounds=%d -> %s",
         cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)
     try:

@@ -2,6 +2,10 @@
 
 ``<results_root>/<run_name>/``
 - ``config.yaml``: the resolved Hydra config of the run;
+- ``overrides.json``: the Hydra overrides the run was composed with (what ``resume=<folder>``
+  composes again, so a resume needs nothing but the folder);
+- ``recoveries.jsonl``: one line per automatic recovery of ``pflower run`` (why the run died,
+  after which round, where its processes' output was kept);
 - ``metrics.jsonl``: one JSON line per round (train metrics, evaluation summary over
   clients, per-client evaluation metrics, communication and failures);
 - ``summary.json``: final personalised test accuracy over clients (mean/min/std), the
@@ -28,11 +32,14 @@ from learning.storage import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+OVERRIDES_FILE = "overrides.json"
+RECOVERIES_FILE = "recoveries.jsonl"
 
 
 LOCK_FILE = ".lock"
 # files that make a folder a run's results (pflower.pid and the lock do not)
-RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state")
+RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state",
+             OVERRIDES_FILE, RECOVERIES_FILE, "failures")
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -107,7 +114,7 @@ def lock_is_held(run_dir: Path) -> bool:
 class RunRecorder:
     """Writes one run's folder as the run goes (holding its lock until :meth:`close`)."""
 
-    def __init__(self, cfg: DictConfig, resume: bool = False) -> None:
+    def __init__(self, cfg: DictConfig, resume: bool = False, overrides: list[str] | None = None) -> None:
         self.cfg = cfg
         self.dir = run_dir_of(cfg)
         self.lock = RunFolderLock(self.dir).acquire()
@@ -123,6 +130,8 @@ class RunRecorder:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.t0 = time.monotonic()
         atomic_write_text(self.dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if overrides is not None:
+            save_overrides(self.dir, overrides)
         self.metrics_path = self.dir / METRICS_FILE
         self.rounds: list[dict[str, Any]] = []
         if resume and self.metrics_path.exists():
@@ -167,6 +176,11 @@ class RunRecorder:
                status: str = "completed") -> dict[str, Any]:
         summary = build_summary(self.cfg, self.rounds, client_info, status)
         summary.update(dict(extra or {}))
+        recoveries = read_recoveries(self.dir)
+        summary["recoveries"] = len(recoveries)
+        if recoveries:
+            summary["status"] = f"{summary['status']}-recovered"   # completed-recovered, partial-recovered
+            summary["recovered_after_rounds"] = [r.get("after_round") for r in recoveries]
         atomic_write_text(self.dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         try:
             plot_run(self.dir, self.rounds, summary)
@@ -174,6 +188,36 @@ class RunRecorder:
             summary["plot_error"] = str(err)
             atomic_write_text(self.dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         return summary
+
+
+# keys whose overrides are not saved: the folder itself says where the run is
+_FOLDER_KEYS = ("resume", "run_name", "results_root", "overwrite")
+
+
+def save_overrides(run_dir: Path, overrides: list[str]) -> None:
+    """Write ``overrides.json``: the overrides that compose this run's config, less the
+    folder's own keys (a resume takes those from the folder, wherever it was moved)."""
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in _FOLDER_KEYS]
+    atomic_write_text(run_dir / OVERRIDES_FILE, json.dumps({"overrides": kept}, indent=1) + "\n")
+
+
+def load_overrides(run_dir: Path) -> list[str] | None:
+    """The overrides saved by :func:`save_overrides`, or None for a folder without them."""
+    path = run_dir / OVERRIDES_FILE
+    if not path.exists():
+        return None
+    return [str(o) for o in json.loads(path.read_text())["overrides"]]
+
+
+def record_recovery(run_dir: Path, entry: Mapping[str, Any]) -> None:
+    """Append one automatic recovery to ``recoveries.jsonl``."""
+    with (run_dir / RECOVERIES_FILE).open("a") as f:
+        f.write(json.dumps(dict(entry)) + "\n")
+
+
+def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / RECOVERIES_FILE
+    return _read_rounds(path) if path.exists() else []
 
 
 def _read_rounds(path: Path) -> list[dict[str, Any]]:

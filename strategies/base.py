@@ -531,6 +531,8 @@ class PersonalizedStrategy(Strategy):
         self.eval_failed = eval_failed
         if not self.last_eval:
             return None
+        # by client id, not arrival: float sums (the means) reproduce bit for bit, also on resume
+        self.last_eval = dict(sorted(self.last_eval.items(), key=lambda kv: client_sort_key(kv[0])))
         return MetricRecord(summarise_clients(self.last_eval))
 
     # ------------------------------------------------------------------ checkpoint

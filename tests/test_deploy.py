@@ -126,16 +126,16 @@ def test_deploy_fills_the_data_cache_before_any_supernode_starts(tmp_path, monke
 def _stop_tree(proc: subprocess.Popen) -> None:
     """Never leave a deployment behind, whatever happened in the test: Ctrl-C, then kill
     the command and every descendant that is still there."""
-    from ops.launch import _descendants
+    from ops.launch import process_tree
 
     if proc.poll() is None:
-        tree = _descendants(proc.pid)
+        tree = process_tree(proc.pid)[1:]
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for pid in [*tree, *_descendants(proc.pid)]:
+        for pid in [*tree, *process_tree(proc.pid)[1:]]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -357,7 +357,8 @@ def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
     on: pflower follows the run to its end instead of stopping a healthy run."""
     from conftest import pflower_popen
 
-    from ops.cli import _cmdline, process_tree
+    from ops.launch import cmdline as _cmdline
+    from ops.launch import process_tree
 
     log = tmp_path / "log.txt"
     proc = pflower_popen(["run", "rounds=6", f"results_root={tmp_path}", "run_name=cut"], log)
@@ -394,7 +395,8 @@ def test_flwr_run_dot_runs_the_app_and_names_a_too_small_federation(tmp_path: Pa
 
     from conftest import REPO
 
-    from ops.cli import _cmdline, kill_tree
+    from ops.launch import cmdline as _cmdline
+    from ops.launch import kill_tree
 
     home = tmp_path / "flwr-home"
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",

@@ -391,7 +391,7 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         ``resume=<run dir>``: same final accuracies as (a);
     (c) too few clients (7 crash, min_train_clients=2): the run fails naming them, exit 1.
     (a) and (b) overlap, as do the resume and (c)."""
-    from ops.cli import kill_tree
+    from ops.launch import kill_tree
 
     common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
               "faults.crash_clients=[1]", "faults.crash_round=2"]
@@ -452,6 +452,11 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
     assert "min_train_clients=2" in failed and "missing or rejected: 0 (client error" in failed
     assert all(f"{c} (client error: injected fault" in failed for c in "0123456")
     assert "pflower: run failed: RoundFailedError" in log
+    # ... and the SuperLink's and the simulation's own output stays with the run
+    kept = list((tmp_path / "few" / "failures").glob("attempt-1-*"))
+    assert kept and (kept[0] / "superlink.log").exists() and (kept[0] / "state.db").exists(), log[-2000:]
+    assert "RoundFailedError" in (kept[0] / "run.log").read_text()
+    assert json.loads((kept[0] / "run.json").read_text())["status"].startswith("finished")
 
 
 class _SlowHttpGrid(HttpGrid):
