@@ -470,7 +470,9 @@ def overrides_help() -> str:
                                                                            "experiment"))
     return f"""overrides (KEY=VALUE, anywhere on the line, options too):
 {groups}
-  rounds, seed, run_name, results_root, overwrite=true, resume=<run folder>, device,
+  resume=<run folder> alone resumes a run with its own configuration (only rounds, round_timeout,
+    wait_for_clients, device, deterministic, data_cache, checkpoint_every may change)
+  rounds, seed, run_name, results_root, overwrite=true, device,
   eval_every, fraction_train, min_train_clients, round_timeout, checkpoint_every,
   train.{{lr,local_epochs,batch_size,momentum,weight_decay,optimizer,amp}},
   dataset.{{root,clients_per_domain,new_clients_per_domain,partition,dirichlet_alpha,image_size}},
@@ -480,7 +482,8 @@ def overrides_help() -> str:
 A run writes <results_root>/<run_name>/ (default name [<experiment>-]<strategy>-<dataset>-
 <model>-s<seed>[-<hash of other overrides>]); an existing run folder is refused unless
 resume=<folder> or overwrite=true. Exit codes: 0 done, 1 failed, 2 bad input (nothing
-started), 3 Flower could not start, 4 done but some clients are missing, 130 interrupted."""
+started), 3 Flower could not start, 4 done but some clients are missing, 130 interrupted.
+A run whose simulation dies is resumed from its checkpoint by itself (--max-recoveries)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -305,6 +305,61 @@ def test_kmeans_reaches_a_fixed_point_and_finds_separated_clusters() -> None:
     assert len(set(labels)) == 3
 
 
+def _plain_kmeans(points: np.ndarray, k: int, seed: int, iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """The obvious K-means (k-means++ seeding, Lloyd) on the whole float64 n x k x d array."""
+    n = len(points)
+    rng = np.random.default_rng(seed)
+    x = np.asarray(points, np.float64)
+    centroids = [x[rng.integers(n)]]
+    for _ in range(1, k):
+        d2 = np.min([np.sum((x - c) ** 2, axis=1) for c in centroids], axis=0)
+        centroids.append(x[rng.choice(n, p=d2 / d2.sum())] if d2.sum() > 0 else x[rng.integers(n)])
+    c, labels = np.stack(centroids), np.full(n, -1)
+    for _ in range(iters):
+        dist = ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+        new = dist.argmin(1)
+        for j in range(k):
+            if not np.any(new == j):
+                new[int(dist[np.arange(n), new].argmax())] = j
+        if np.array_equal(new, labels):
+            break
+        labels = new
+        c = np.stack([x[labels == j].mean(0) for j in range(k)])
+    return c, labels
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_kmeans_equals_the_plain_one(seed: int) -> None:
+    """Float32 points (model vectors), distances and means over column chunks of 7: the
+    same clusters and the same centroids (to float32 precision) as the plain algorithm."""
+    rng = np.random.default_rng(seed)
+    truth = rng.integers(0, 4, 40)
+    points = (rng.normal(0, 1, (40, 53)) + 3.0 * rng.normal(0, 1, (4, 53))[truth]).astype(np.float32)
+    centroids, labels = kmeans(points, 4, seed=seed, chunk=7)
+    ref_c, ref_labels = _plain_kmeans(points, 4, seed=seed)
+    np.testing.assert_array_equal(labels, ref_labels)
+    np.testing.assert_allclose(centroids, ref_c, rtol=1e-6, atol=1e-6)
+
+
+def test_kmeans_memory_stays_near_the_inputs() -> None:
+    """FedBasis seeds its bases from 80 ResNet-18 models (d = 11.2M): the plain algorithm's
+    n x k x d float64 differences would need ~60 GB. Here the allocations beyond the n x d
+    float32 input are the k float64 centroids (once) and a few n x chunk temporaries."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    n, d, k, chunk = 16, 300_000, 4, 1 << 14
+    points = rng.normal(0, 1, (n, d)).astype(np.float32)   # 19 MB
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    kmeans(points, k, seed=0, chunk=chunk)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    centroids, temporaries = k * d * 8, 4 * n * chunk * 8     # 9.6 MB and 8.4 MB
+    assert peak < centroids + temporaries, (peak, centroids, temporaries)
+    assert peak < (n * k * d * 8) / 8     # an eighth of the plain algorithm's differences alone
+
+
 def test_seed_bases_by_sampling_takes_distinct_clients() -> None:
     models = [{"w": np.full(3, float(i), np.float32)} for i in range(5)]
     bases, picks = seed_bases(models, 3, "sample", seed=0)
