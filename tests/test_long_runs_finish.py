@@ -90,6 +90,14 @@ def test_pflower_run_resume_refuses_a_changed_key_before_starting_anything(tmp_p
     assert "strategy.name: the run has 'fedbn', this command gives 'fedavg'" in proc.stderr
 
 
+def test_pflower_deploy_resume_takes_the_folders_configuration_too(tmp_path: Path) -> None:
+    run_dir = _saved_run(tmp_path, ["experiment=deploy-3", "strategy=fedbn"])
+    proc = pflower("deploy", "--mode", "insecure", f"resume={run_dir}", "strategy=fedavg", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "strategy.name: the run has 'fedbn', this command gives 'fedavg'" in proc.stderr
+    assert f"pflower deploy resume={run_dir.resolve()}" in proc.stderr
+
+
 # ---------------------------------------------------------------- recoveries in the folder
 def test_recoveries_are_logged_and_counted_in_the_summary(tmp_path: Path) -> None:
     from server.results import RunRecorder
