@@ -133,16 +133,18 @@ class SimulationWatch:
     def __init__(self, link: object, grace_s: float = 20.0) -> None:
         self.link, self.grace_s = link, grace_s
         self.seen, self.gone_since, self.reason = False, None, ""
+        self.pid: int | None = None   # the simulation's, once found: then one /proc read a call
 
     def __call__(self) -> bool:
-        from ops.launch import cmdline, process_tree
+        from ops.launch import cmdline, pid_alive, process_tree
 
         proc = getattr(self.link, "proc", None)
         if proc is None or proc.poll() is not None:
             self.reason = "the SuperLink exited"
             return False
-        running = any("flwr-simulation" in cmdline(p) for p in process_tree(proc.pid)[1:])
-        if running:
+        if self.pid is None or not pid_alive(self.pid) or "flwr-simulation" not in cmdline(self.pid):
+            self.pid = next((p for p in process_tree(proc.pid)[1:] if "flwr-simulation" in cmdline(p)), None)
+        if self.pid is not None:
             self.seen, self.gone_since = True, None
             return True
         if self.seen:
