@@ -157,8 +157,8 @@ class SimulationWatch:
 
 def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federation: str,
              keep: Path | None, attempt: int) -> Attempt:
-    """Submit the run once on a private SuperLink; on a death, keep the SuperLink's folder
-    (its log holds the SuperExec's and the simulation's output) in ``<run>/failures``."""
+    """Submit the run once on a private SuperLink; on any failure keep what explains it (the
+    SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
     from ops.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
     from ops.recovery import death_reason, keep_evidence
 
@@ -234,8 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        f"no round completed since the last recovery (still round {after})")
                 return report_failure(run_dir, f"run did not complete ({attempt.died}); not recovering: {why}")
             recoveries, last_round = recoveries + 1, after
-            record_recovery(run_dir, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": after,
-                                      "reason": attempt.died, "evidence": str(attempt.evidence or "")})
+            record_recovery(run_dir, after, attempt.died, attempt.evidence)
             print(f"pflower: recovering ({recoveries} of at most {max_recoveries}): resuming {run_dir} "
                   f"from its checkpoint of round {after}", file=sys.stderr, flush=True)
             cfg, run_cfg, rest = resume_config(run_dir)
@@ -383,7 +382,7 @@ def stale_processes(run_dir: Path) -> None:
     if isinstance(pid, int) and pid != os.getpid() and ("pflower" in cmdline(pid) or "ops.cli" in cmdline(pid)):
         raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
                           f"(kill {pid}) or wait for it to finish")
-    if isinstance(pgid, int) and "flower-superlink" in cmdline(pgid) or "ops.superlink" in cmdline(pgid):
+    if isinstance(pgid, int) and ("flower-superlink" in cmdline(pgid) or "ops.superlink" in cmdline(pgid)):
         print(f"pflower: stopping the SuperLink (pid {pgid}) and its processes, left running by "
               "the interrupted run", file=sys.stderr)
         kill_tree(pgid)

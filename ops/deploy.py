@@ -461,8 +461,7 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, args: argparse.
         print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "
               f"its checkpoint of round {after} ({recoveries} of at most {args.max_recoveries})",
               file=sys.stderr, flush=True)
-        record_recovery(run_dir, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": after,
-                                  "reason": reason, "evidence": str(dep.link.workdir / "superlink.log")})
+        record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
         dep.restart_link()
         run_config = to_toml_run_config(*split_overrides(expand_resume([f"resume={run_dir}"], "pflower deploy")))
 

@@ -209,10 +209,13 @@ def load_overrides(run_dir: Path) -> list[str] | None:
     return [str(o) for o in json.loads(path.read_text())["overrides"]]
 
 
-def record_recovery(run_dir: Path, entry: Mapping[str, Any]) -> None:
-    """Append one automatic recovery to ``recoveries.jsonl``."""
+def record_recovery(run_dir: Path, after_round: int, reason: str, evidence: Path | None = None) -> None:
+    """Append one automatic recovery to ``recoveries.jsonl``: when, after which checkpointed
+    round, why the run died, and where what explains it was kept."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": int(after_round),
+             "reason": reason, "evidence": str(evidence or "")}
     with (run_dir / RECOVERIES_FILE).open("a") as f:
-        f.write(json.dumps(dict(entry)) + "\n")
+        f.write(json.dumps(entry) + "\n")
 
 
 def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:

@@ -108,7 +108,7 @@ def test_recoveries_are_logged_and_counted_in_the_summary(tmp_path: Path) -> Non
                         "clients": {"0": {"accuracy": 0.5}}})
     clean = recorder.finish({"0": {"num_train": 1}})
     assert clean["status"] == "completed" and clean["recoveries"] == 0
-    record_recovery(recorder.dir, {"after_round": 1, "reason": "flwr exit code 1"})
+    record_recovery(recorder.dir, 1, "flwr exit code 1")
     recovered = recorder.finish({"0": {"num_train": 1}})
     recorder.close()
     assert recovered["recoveries"] == 1 and recovered["recovered_after_rounds"] == [1]
