@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Context, Message
 from omegaconf import DictConfig
 
-from client.identity import client_id_of
+from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
 from client.trainer import ClientRound
 from common.methods import trainer_class
@@ -32,7 +32,7 @@ from common.protocol import (
     to_record,
 )
 from learning.config import compose_config
-from learning.data_cache import DataInfo, load_client_data, resolve_cache_dir
+from learning.data_cache import load_client_data, resolve_cache_dir
 from learning.models import resolve_device, set_deterministic
 
 
@@ -52,27 +52,13 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
     return root / client_id
 
 
-def check_partitions(context: Context, info: DataInfo) -> None:
-    """A federation with fewer nodes than clients cannot run every client (more nodes is
-    fine: the server leaves the extra ones idle)."""
-    size = context.node_config.get("num-partitions")
-    if size is not None and int(size) < len(info.client_ids):
-        missing = [c for c in info.client_ids if not (c.isdigit() and int(c) < int(size))]
-        raise ValueError(
-            f"node config says num-partitions={size} but dataset {info.name!r} has "
-            f"{len(info.client_ids)} clients ({', '.join(missing)} have no node); in simulation pass "
-            f"--federation-config \"num-supernodes={len(info.client_ids)}\" to flwr run (or use "
-            "`pflower run`, which sets it), or change dataset.clients_per_domain"
-        )
-
-
 def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
     cfg = client_config(context)
     server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
-    client_id = client_id_of(context)
+    # the client this message is for (a simulated node may serve several, client/identity.py)
+    client_id = client_id_of(context, server_cfg)
     # only this client's split, from the on-disk cache after the first process built it
     split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
-    check_partitions(context, info)
     run_name = str(server_cfg.get("run-name", cfg.run_name))
     set_deterministic(bool(cfg.get("deterministic", False)))
     rnd = ClientRound(
@@ -80,7 +66,11 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
         server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
     )
-    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name), context.state,
+    # context.state (the in-memory copy of the state) is the node's: a simulation runs two
+    # messages for one node at once and keeps whichever context comes back last, which may
+    # hold an older state of another client. A node serving several clients reads from disk.
+    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
+                             None if serves_several(context.node_config, len(info.client_ids)) else context.state,
                              checkpoint_every=int(cfg.checkpoint_every))
     trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
     return trainer, rnd, store

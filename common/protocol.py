@@ -108,6 +108,11 @@ def encode_client_id(client_id: str) -> dict[str, int]:
     )
 
 
+# every message names the client it is for: in a simulation with fewer SuperNodes than
+# clients one node serves several (strategies/base.py: place_clients), and a node refuses a
+# message for a client it does not serve (client/identity.py)
+TARGET_CLIENT = "pflower-client"
+
 # identification (QUERY) replies carry the size of a simulated federation, so the server can
 # name the clients that have no SuperNode before any training
 NUM_PARTITIONS = "num-partitions"

@@ -119,8 +119,8 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
     sampled, failed, or all of them when there are no such replies)."""
     carried = [m for m in (train_replies or [])
                if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
-    done = {m.metadata.src_node_id for m in carried}
-    others = [n for n in strategy.connected_nodes(grid) if n not in done]
+    done = {strategy.sender_of(m) for m in carried}
+    others = [c for c in strategy.connected_clients(grid) if c not in done]
     eval_cfg = ConfigRecord({**base_config, "final": rnd == int(cfg.rounds)})
     messages = strategy.evaluate_messages(rnd, eval_cfg, others, already=done)
     replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout)) if messages else []

@@ -46,12 +46,34 @@ from common.protocol import (
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     NUM_VAL_EXAMPLES,
+    TARGET_CLIENT,
     decode_client_id,
     from_record,
     to_record,
 )
 from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
 from learning.params import NDArrays, num_bytes, weighted_mean
+
+
+def _is_deployment(grid: Grid) -> bool:
+    """A deployment's grid (its nodes are separate machines, one client each); otherwise the
+    simulation's grid (or a test's), whose nodes may serve several clients."""
+    return _HttpGrid is not None and isinstance(grid, _HttpGrid)
+
+
+def place_clients(client_ids: Iterable[str], own: Mapping[str, int],
+                  federation_size: int | None = None) -> dict[str, int]:
+    """Which node serves each client: the node identified as that client, else (in a
+    simulation of ``federation_size`` SuperNodes, fewer than the clients) the node of
+    partition ``c mod federation_size``, the rule the ClientApp checks
+    (``client/identity.py``). Clients with neither are left out (missing)."""
+    placed: dict[str, int] = {}
+    for cid in client_ids:
+        if cid in own:
+            placed[cid] = own[cid]
+        elif federation_size and cid.isdigit() and str(int(cid) % federation_size) in own:
+            placed[cid] = own[str(int(cid) % federation_size)]
+    return placed
 
 
 class RoundFailedError(RuntimeError):
@@ -206,8 +228,12 @@ class PersonalizedStrategy(Strategy):
         self.rng = random.Random(seed)
         self.round_log = RoundLog()
         self.last_eval: dict[str, dict[str, float]] = {}
-        self._sent: dict[int, NDArrays] = {}
-        self._sent_eval: list[int] = []
+        self._sent: dict[str, NDArrays] = {}       # client id -> the payload of its train message
+        self._sent_eval: list[str] = []
+        self.node_of: dict[str, int] = {}          # client id -> the node serving it (this round)
+        self._addressed: list[tuple[Message, str]] = []   # messages out, with their client
+        self._by_message_id: dict[str, str] = {}           # the same by message id, once pushed
+        self._placement_logged = False
         self.eval_failed: dict[str, str] = {}
         self.model, self.cfg, self.data = model, cfg, data
         # the method's validated options and parameter roles (common/), when configured
@@ -315,36 +341,27 @@ class PersonalizedStrategy(Strategy):
             if NUM_PARTITIONS in metrics:
                 self.federation_size = int(metrics[NUM_PARTITIONS])
 
-    def check_federation_size(self) -> None:
-        """A simulation with fewer SuperNodes than clients can never run every client: say
-        which clients have no node and how to fix it, before any training."""
-        size = self.federation_size
-        if size is None or size >= len(self.client_ids):
-            return
-        missing = [c for c in self.client_ids if not (c.isdigit() and int(c) < size)]
-        raise RoundFailedError(
-            f"the federation has {size} SuperNodes but the dataset has {len(self.client_ids)} "
-            f"clients; clients {', '.join(missing)} have no SuperNode. Run it with "
-            f"`flwr run . --stream --federation-config \"num-supernodes={len(self.client_ids)}\"` "
-            "(or use `pflower run`, which sets it); extra SuperNodes stay idle")
+    def connected_clients(self, grid: Grid) -> list[str]:
+        """The clients to address this round, ordered by client id (nodes that could not be
+        identified last, as ``node-<id>``); ``self.node_of`` says which node serves each.
 
-    def connected_nodes(self, grid: Grid) -> list[int]:
-        """The nodes to address this round, ordered by stable client id (nodes that could
-        not be identified last). Nodes are identified as they connect; the first call waits
-        (up to ``wait_for_clients``) for every expected client, later calls only
-        ``REJOIN_WAIT_S`` for a client that has just disappeared. Nodes whose client id is
-        not one of the run's clients (a simulation with more SuperNodes than clients) stay
-        idle."""
+        Nodes are identified as they connect; the first call waits (up to
+        ``wait_for_clients``) for every expected client, later calls only ``REJOIN_WAIT_S``
+        for a client that has just disappeared. In a simulation with fewer SuperNodes than
+        clients (Flower's default federation has 2) every node serves several clients
+        (:func:`place_clients`); in a deployment a node is one client and a client without
+        its node is missing. Nodes that serve none of the run's clients stay idle."""
         expected = set(self.client_ids)
         first = self._missing is None
         wait = self.wait_for_clients if first else min(self.wait_for_clients, REJOIN_WAIT_S)
         deadline = time.monotonic() + wait
+        shared = not _is_deployment(grid)
         while True:
             nodes = list(grid.get_node_ids())
             self.identify(grid, nodes)
-            self.check_federation_size()
-            present = {self.node_to_client[n] for n in nodes if n in self.node_to_client}
-            missing = expected - present
+            own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
+            placed = place_clients(self.client_ids, own, self.federation_size if shared else None)
+            missing = expected - set(placed)
             newly_missing = missing if first else missing - (self._missing or set())
             if not newly_missing or time.monotonic() >= deadline:
                 break
@@ -352,26 +369,47 @@ class PersonalizedStrategy(Strategy):
         if missing and missing != self._missing:
             log(WARNING, "clients without a connected node: %s", ", ".join(sorted(missing, key=client_sort_key)))
         self._missing = missing
-        idle = {self.node_to_client[n] for n in nodes if self.node_to_client.get(n, "") not in expected
-                and n in self.node_to_client and not self.node_to_client[n].startswith("new-")}
+        if len(set(placed.values())) < len(placed) and not self._placement_logged:
+            log(INFO, "%d clients on %d SuperNodes: the node of partition p of %d serves the clients "
+                "c with c mod %d = p", len(placed), len(set(placed.values())), self.federation_size,
+                self.federation_size)
+            self._placement_logged = True
+        serving = set(placed.values())
+        idle = {c for c, n in own.items() if n not in serving and not c.startswith("new-")}
         if idle - self._idle_logged:
             log(INFO, "idle SuperNodes (not clients of this dataset): %s", ", ".join(sorted(idle, key=client_sort_key)))
             self._idle_logged |= idle
-        nodes = [n for n in nodes if n not in self.node_to_client or self.node_to_client[n] in expected
-                 or self.node_to_client[n].startswith("new-")]
-        if len(nodes) < self.min_train_clients:
+        # held-out clients ("new-k") connected for personalisation, and nodes that could not
+        # identify themselves (addressed by node, their failures recorded under that name)
+        placed.update({c: n for c, n in own.items() if c.startswith("new-")})
+        placed.update({f"node-{n}": n for n in nodes if n not in self.node_to_client})
+        if len(placed) < self.min_train_clients:
             raise RoundFailedError(
-                f"only {len(nodes)} of {len(self.client_ids)} clients connected within "
+                f"only {len(placed)} of {len(self.client_ids)} clients connected within "
                 f"{wait:.0f}s (min_train_clients={self.min_train_clients}); missing: "
                 f"{', '.join(sorted(missing, key=client_sort_key)) or '-'}; "
                 "start more SuperNodes or lower min_train_clients"
             )
-        return sorted(nodes, key=lambda n: (n not in self.node_to_client, client_sort_key(self._label(n)), n))
+        self.node_of = placed
+        return sorted(placed, key=lambda c: (c.startswith("node-"), client_sort_key(c)))
 
-    def _message(self, node_id: int, payload: NDArrays, config: Mapping[str, Any],
+    def _message(self, client_id: str, payload: NDArrays, config: Mapping[str, Any],
                  message_type: str) -> Message:
+        """A message to the node serving ``client_id``, naming the client it is for."""
+        if not client_id.startswith("node-"):
+            config = {**config, TARGET_CLIENT: client_id}
         record = RecordDict({ARRAYS_KEY: to_record(payload), CONFIG_KEY: ConfigRecord(dict(config))})
-        return Message(content=record, message_type=message_type, dst_node_id=node_id)
+        msg = Message(content=record, message_type=message_type, dst_node_id=self.node_of[client_id])
+        self._addressed.append((msg, client_id))
+        return msg
+
+    def sender_of(self, reply: Message) -> str:
+        """The client a reply answers for (also an error reply, which names no client): by
+        the message it replies to, else by the node it came from."""
+        wanted = reply.metadata.reply_to_message_id
+        if wanted and wanted not in self._by_message_id:   # ids are given when messages are pushed
+            self._by_message_id = {m.metadata.message_id: c for m, c in self._addressed if m.metadata.message_id}
+        return self._by_message_id.get(wanted) or self._label(reply.metadata.src_node_id)
 
     def _label(self, node_id: int) -> str:
         return self.node_to_client.get(node_id, f"node-{node_id}")
@@ -388,47 +426,52 @@ class PersonalizedStrategy(Strategy):
     # ------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        nodes = self.connected_nodes(grid)
-        k = max(self.min_train_clients, int(round(len(nodes) * self.fraction_train)))
+        clients = self.connected_clients(grid)
+        k = max(self.min_train_clients, int(round(len(clients) * self.fraction_train)))
         # sample over the list ordered by client id, so the same seed picks the same clients
         # in every run (node ids differ between runs)
-        sampled = self.rng.sample(nodes, min(k, len(nodes)))
-        sampled.sort(key=nodes.index)
+        sampled = self.rng.sample(clients, min(k, len(clients)))
+        sampled.sort(key=clients.index)
         cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
-        self.round_log = RoundLog(sampled=[self._label(n) for n in sampled])
+        self.round_log = RoundLog(sampled=list(sampled))
         self._sent = {}
+        self._addressed = []
         messages = []
-        for node in sampled:
-            payload = self.payload_for(self.node_to_client.get(node))
-            self._sent[node] = payload
-            self.round_log.bytes_down[self._label(node)] = num_bytes(payload)
-            messages.append(self._message(node, payload, cfg, MessageType.TRAIN))
+        for cid in sampled:
+            payload = self.payload_for(cid)
+            self._sent[cid] = payload
+            self.round_log.bytes_down[cid] = num_bytes(payload)
+            messages.append(self._message(cid, payload, cfg, MessageType.TRAIN))
         log(INFO, "configure_train: round %d, sampled %d of %d clients", server_round, len(sampled),
-            len(nodes))
+            len(clients))
         self._sent_at = time.monotonic()
         return messages
 
-    def parse_replies(self, replies: Iterable[Message], sent_to: Iterable[int]) -> list[ClientUpdate]:
+    def parse_replies(self, replies: Iterable[Message], sent_to: Iterable[str]) -> list[ClientUpdate]:
         """Validate replies into ClientUpdates; record failures, rejections and no-shows."""
         updates: list[ClientUpdate] = []
-        answered: set[int] = set()
+        answered: set[str] = set()
         for msg in replies:
-            node = msg.metadata.src_node_id
-            answered.add(node)
+            node, target = msg.metadata.src_node_id, self.sender_of(msg)
+            answered.add(target)
             if msg.has_error():
-                self.round_log.failed[self._label(node)] = f"client error: {short_reason(msg.error.reason)}"
-                log(WARNING, "client %s failed: %s", self._label(node), self.round_log.failed[self._label(node)])
+                self.round_log.failed[target] = f"client error: {short_reason(msg.error.reason)}"
+                log(WARNING, "client %s failed: %s", target, self.round_log.failed[target])
                 continue
             metrics = dict(msg.content.metric_records[METRICS_KEY].items()) \
                 if METRICS_KEY in msg.content.metric_records else {}
             try:
                 cid = decode_client_id(metrics)
             except (KeyError, ValueError) as err:
-                self.round_log.rejected[self._label(node)] = str(err)
+                self.round_log.rejected[target] = str(err)
                 continue
-            self.node_to_client[node] = cid
+            if cid != target and not target.startswith("node-"):
+                self.round_log.rejected[target] = f"the reply to client {target}'s message is for client {cid}"
+                log(WARNING, "rejected a reply: %s", self.round_log.rejected[target])
+                continue
+            self.node_to_client.setdefault(node, cid)
             arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), self.reference)
-            reason = (validate_arrays(arrays, self.reference, self.norm_bound, self._sent.get(node))
+            reason = (validate_arrays(arrays, self.reference, self.norm_bound, self._sent.get(target))
                       or self.check_upload(arrays))
             if reason is not None:
                 self.round_log.rejected[cid] = reason
@@ -448,10 +491,10 @@ class PersonalizedStrategy(Strategy):
             ))
             self.round_log.replied.append(cid)
             self.round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
-        for node in sent_to:
-            if node not in answered:
-                self.round_log.failed[self._label(node)] = self.no_reply_reason()
-                log(WARNING, "client %s: %s", self._label(node), self.round_log.failed[self._label(node)])
+        for target in sent_to:
+            if target not in answered:
+                self.round_log.failed[target] = self.no_reply_reason()
+                log(WARNING, "client %s: %s", target, self.round_log.failed[target])
         # a fixed order (by client id, not arrival) keeps float sums reproducible
         updates.sort(key=lambda u: client_sort_key(u.client_id))
         return updates
@@ -494,26 +537,28 @@ class PersonalizedStrategy(Strategy):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Evaluate every connected client (not only the sampled ones)."""
-        return self.evaluate_messages(server_round, config, self.connected_nodes(grid))
+        return self.evaluate_messages(server_round, config, self.connected_clients(grid))
 
-    def evaluate_messages(self, server_round: int, config: ConfigRecord, nodes: list[int],
-                          already: Iterable[int] = ()) -> list[Message]:
-        """Evaluate messages to ``nodes``; ``already`` = nodes whose evaluation of this round
-        came with their training reply (they count as asked, see :meth:`aggregate_evaluate`)."""
+    def evaluate_messages(self, server_round: int, config: ConfigRecord, clients: list[str],
+                          already: Iterable[str] = ()) -> list[Message]:
+        """Evaluate messages to ``clients``; ``already`` = clients whose evaluation of this
+        round came with their training reply (they count as asked, see
+        :meth:`aggregate_evaluate`)."""
         cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
-        self._sent_eval = [*already, *nodes]
+        self._sent_eval = [*already, *clients]
         self._sent_at = time.monotonic()
-        return [self._message(n, self.payload_for(self.node_to_client.get(n)), cfg, MessageType.EVALUATE)
-                for n in nodes]
+        self._addressed = [(m, c) for m, c in self._addressed if m.metadata.message_type != MessageType.EVALUATE]
+        return [self._message(c, self.payload_for(c), cfg, MessageType.EVALUATE) for c in clients]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self.last_eval = {}
         eval_failed: dict[str, str] = {}
         answered = set()
         for msg in replies:
-            answered.add(msg.metadata.src_node_id)
+            target = self.sender_of(msg)
+            answered.add(target)
             if msg.has_error():
-                eval_failed[self._label(msg.metadata.src_node_id)] = short_reason(msg.error.reason)
+                eval_failed[target] = short_reason(msg.error.reason)
                 continue
             # an evaluate reply, or a train reply carrying the evaluation (EVAL_METRICS_KEY)
             rec = msg.content.metric_records.get(EVAL_METRICS_KEY) or msg.content.metric_records.get(METRICS_KEY)
@@ -521,13 +566,13 @@ class PersonalizedStrategy(Strategy):
             try:
                 cid = decode_client_id(metrics)
             except (KeyError, ValueError) as err:
-                eval_failed[self._label(msg.metadata.src_node_id)] = f"unusable reply: {err}"
+                eval_failed[target] = f"unusable reply: {err}"
                 continue
-            self.node_to_client[msg.metadata.src_node_id] = cid
+            self.node_to_client.setdefault(msg.metadata.src_node_id, cid)
             self.last_eval[cid] = {k: float(v) for k, v in metrics.items()}
-        for n in self._sent_eval:
-            if n not in answered:
-                eval_failed[self._label(n)] = self.no_reply_reason()
+        for target in self._sent_eval:
+            if target not in answered:
+                eval_failed[target] = self.no_reply_reason()
         self.eval_failed = eval_failed
         if not self.last_eval:
             return None

@@ -127,7 +127,7 @@ class FDSE(PersonalizedStrategy):
         # --- shared parameters: consensus maximisation (Eq. 8), update vs what was sent
         deltas = []
         for u in uploaded:
-            sent = self._sent.get(u.node_id, self.global_arrays)
+            sent = self._sent.get(u.client_id, self.global_arrays)
             # in the tensors' own precision (float32 models: no float64 copies)
             deltas.append({k: np.subtract(u.arrays[k], sent[k]) for k in self.groups["consensus"]})
         step, weights = consensus_update_many(deltas, tol=self.tol, zero_policy=self.zero_policy,

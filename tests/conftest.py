@@ -1,7 +1,8 @@
 """Shared test helpers: small configs, the ``pflower`` command runner, a fake Flower grid.
 
 Markers: ``e2e`` = end-to-end runs of real processes (``pflower run``/``deploy``, Flower's
-simulation); CI runs the fast lane (``-m "not e2e"``) first, then the e2e lane.
+simulation); ``docker`` = the Docker demo (tests/test_docker.py). CI runs the fast lane
+(``-m "not e2e and not docker"``) first, then the e2e lane, then the Docker lane.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from flwr.app import Message, MessageType
+from flwr.app import Error, Message, MessageType
 from flwr.supercore.task_identity import TaskIdentity
 
-from common.protocol import NUM_PARTITIONS, make_reply
+from client.identity import serves
+from common.protocol import CONFIG_KEY, NUM_PARTITIONS, TARGET_CLIENT, make_reply
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the per-client data cache (learning/data_cache.py) of this test session, not the user's
@@ -49,8 +52,11 @@ def flower_task() -> None:
 
 class FakeGrid:
     """A Grid whose nodes answer through ``handler(client_id, message) -> Message | None``
-    (None = no reply); QUERY messages are answered with the client id, as the ClientApp
-    does. Node ids are arbitrary per instance, as in Flower."""
+    (None = no reply); QUERY messages are answered with the node's client id, as the
+    ClientApp does. Node ids are arbitrary per instance, as in Flower; pushed messages get
+    an id, as Flower's grids give them. With ``num_partitions`` the nodes are simulated
+    partitions: a node serves every client the message names that it serves
+    (``client/identity.py``) and answers any other with an error, as the ClientApp does."""
 
     def __init__(self, client_ids: list[str],
                  handler: Callable[[str, Message], Message | None] | None = None,
@@ -65,17 +71,35 @@ class FakeGrid:
     def get_node_ids(self) -> list[int]:
         return list(self.client_of)
 
+    def node_config(self, node_id: int) -> dict[str, object]:
+        cid = self.client_of[node_id]
+        if self.num_partitions is not None and cid.isdigit():
+            return {"partition-id": int(cid), "num-partitions": self.num_partitions}
+        return {"client-id": cid}
+
+    def target_of(self, msg: Message) -> str:
+        """The client a message is for (what the ClientApp's handler sees)."""
+        config = msg.content.config_records.get(CONFIG_KEY)
+        return str(config[TARGET_CLIENT]) if config is not None and TARGET_CLIENT in config \
+            else self.client_of[msg.metadata.dst_node_id]
+
     def send_and_receive(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
         self.timeouts.append(timeout)
         out = []
         for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             self.sent.append(msg)
             cid = self.client_of[msg.metadata.dst_node_id]
             if msg.metadata.message_type == MessageType.QUERY:
                 size = {} if self.num_partitions is None else {NUM_PARTITIONS: float(self.num_partitions)}
                 out.append(make_reply(msg, {}, size, cid, 0))
                 continue
-            reply = self.handler(cid, msg) if self.handler is not None else None
+            target = self.target_of(msg)
+            if not serves(self.node_config(msg.metadata.dst_node_id), target):
+                out.append(Message(Error(code=0, reason=f"node {cid} does not serve client {target}"),
+                                   reply_to=msg))
+                continue
+            reply = self.handler(target, msg) if self.handler is not None else None
             if reply is not None:
                 out.append(reply)
         return out
