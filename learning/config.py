@@ -205,7 +205,7 @@ def validate_config(cfg: DictConfig) -> None:
     check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
     check("train.batch_size", int, lambda v: v >= 1, ">= 1")
     check("finetune.every", int, lambda v: v >= 0, ">= 0 (0 = fine-tune at the final evaluation only)")
-    for key in ("eval_in_train", "deterministic"):
+    for key in ("eval_in_train", "deterministic", "tensorboard"):
         if not isinstance(cfg.get(key, False), bool):
             problems.append(f"{key} must be true or false, got {cfg.get(key)!r}")
     if str(cfg.get("best_round_by", "mean")) not in ("mean", "weighted"):

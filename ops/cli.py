@@ -160,6 +160,7 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
     """Submit the run once on a private SuperLink; on any failure keep what explains it (the
     SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
     from ops.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
+    from ops.progress import run_progress
     from ops.recovery import death_reason, keep_evidence
 
     run_dir = Path(cfg.results_root) / cfg.run_name
@@ -168,7 +169,9 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
         print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
         write_pid_file(run_dir, link)
         watch = SimulationWatch(link)
-        code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch)
+        with run_progress(run_dir, int(cfg.rounds), f"{cfg.strategy.name} {cfg.run_name}") as bar:
+            code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,
+                            on_line=None if bar is None else bar.print)
         if code != 0 and not watch.reason:
             follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds), alive=watch)
         if fresh(run_dir / "summary.json", started):

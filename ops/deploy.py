@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,12 +290,14 @@ class Deployment:
         self.stop()
 
     # ------------------------------------------------------------------ runs
-    def run(self, run_config: str, timeout: float | None = None) -> int:
+    def run(self, run_config: str, timeout: float | None = None,
+            on_line: Callable[[str], None] | None = None) -> int:
         """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code
         (:data:`~ops.launch.EXIT_WORK_GONE` when the SuperLink exited during the run)."""
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
-        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.link_alive)
+        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.link_alive,
+                        on_line=on_line)
 
     def logs(self, lines: int = 15) -> str:
         parts = []
@@ -350,7 +352,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from ops.recovery import expand_resume
     from server.results import RunFolderError, check_run_folder
 
-    jobs: list[tuple[str, Path]] = []
+    jobs: list[tuple[str, Path, int]] = []   # run config, run folder, rounds
     nodes = args.nodes
     results_root: Path | None = None
     try:
@@ -373,7 +375,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             results_root = results_root or Path(cfg.results_root)
             if not args.data_root:  # the SuperNodes on this machine then read their splits from the cache
                 fill_cache(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
-            jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name))
+            jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name, int(cfg.rounds)))
     except (ConfigError, DatasetError) as err:
         print(f"pflower deploy: {err}", file=sys.stderr)
         return 2
@@ -399,7 +401,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             remove_private_files(dep.workdir)
 
 
-def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path]], nodes: int, args: argparse.Namespace) -> int:
+def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path, int]], nodes: int, args: argparse.Namespace) -> int:
     failures = 0
     with _sigterm_as_interrupt():
         try:
@@ -407,8 +409,8 @@ def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path]], nodes: int, args
                 print(f"pflower deploy: SuperLink fleet {dep.link.fleet_address} control "
                       f"{dep.link.control_address} ({dep.mode}), {nodes} SuperNodes; logs in {dep.workdir}",
                       flush=True)
-                for run_config, run_dir in jobs:
-                    ok, text = _deploy_one(dep, run_config, run_dir, args)
+                for run_config, run_dir, rounds in jobs:
+                    ok, text = _deploy_one(dep, run_config, run_dir, rounds, args)
                     print(f"pflower deploy: {'done' if ok else 'FAILED'}: {text}", flush=True)
                     if not ok:
                         failures += 1
@@ -436,10 +438,12 @@ def resume_command(run_dir: Path, args: argparse.Namespace) -> str:
     return " ".join(["pflower deploy", *flags, f"resume={run_dir}"])
 
 
-def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, args: argparse.Namespace) -> tuple[bool, str]:
+def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
+                args: argparse.Namespace) -> tuple[bool, str]:
     """Submit one run; when the SuperLink exits during it, start the SuperLink again on its
     database and resume the run from its checkpoint (at most ``--max-recoveries`` times)."""
     from learning.config import split_overrides, to_toml_run_config
+    from ops.progress import run_progress
     from ops.recovery import expand_resume
     from server.checkpoint import checkpoint_round
     from server.results import record_recovery
@@ -448,7 +452,8 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, args: argparse.
     while True:
         print(f"pflower deploy: flwr run {APP_DIR} {FEDERATION} --run-config '{run_config}'", flush=True)
         started = time.time()
-        code = dep.run(run_config, timeout=args.timeout or None)
+        with run_progress(run_dir, rounds, run_dir.name) as bar:
+            code = dep.run(run_config, timeout=args.timeout or None, on_line=None if bar is None else bar.print)
         ok, text = run_result(run_dir, started, code)
         if ok or dep.link_alive():
             return ok, text

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -300,22 +301,33 @@ EXIT_WORK_GONE = -1000   # flwr_run: ``alive`` said the run's processes are gone
 
 
 def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config: str = "",
-             timeout: float | None = None, alive: Callable[[], bool] | None = None) -> int:
+             timeout: float | None = None, alive: Callable[[], bool] | None = None,
+             on_line: Callable[[str], None] | None = None) -> int:
     """``flwr run <app> pflower --stream`` with our FLWR_HOME; returns its exit code.
 
     With ``alive``, asked every second, the stream is stopped as soon as it says the run's
     processes are gone (returns :data:`EXIT_WORK_GONE`): the SuperLink would otherwise keep
-    a dead run "running" until its heartbeat timeout."""
+    a dead run "running" until its heartbeat timeout. With ``on_line`` the stream's lines go
+    to it (a progress bar prints them above itself) instead of straight to the terminal."""
     cmd = [_exe("flwr"), "run", str(app_dir), FEDERATION, "--stream", "--run-config", run_config]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    proc = subprocess.Popen(cmd, env=flower_env(flwr_home), start_new_session=True)
+    piped = {} if on_line is None else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT,
+                                        "text": True, "errors": "replace"}
+    proc = subprocess.Popen(cmd, env=flower_env(flwr_home), start_new_session=True, **piped)
+    reader = None
+    if on_line is not None:
+        reader = threading.Thread(target=lambda: [on_line(line) for line in proc.stdout], daemon=True)
+        reader.start()
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             try:
-                return proc.wait(timeout=step)
+                code = proc.wait(timeout=step)
+                if reader is not None:
+                    reader.join(timeout=5)
+                return code
             except subprocess.TimeoutExpired:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise

@@ -29,6 +29,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from learning.storage import atomic_write_text
+from server.tensorboard import TB_DIR, TensorBoardLog
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -39,7 +40,7 @@ RECOVERIES_FILE = "recoveries.jsonl"
 LOCK_FILE = ".lock"
 # files that make a folder a run's results (pflower.pid and the lock do not)
 RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state",
-             OVERRIDES_FILE, RECOVERIES_FILE, "failures")
+             OVERRIDES_FILE, RECOVERIES_FILE, "failures", TB_DIR)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -139,10 +140,23 @@ class RunRecorder:
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
+        self.tensorboard: TensorBoardLog | None = None   # opened at the first round this attempt writes
+        self._last_elapsed = 0.0
+        if bool(cfg.get("tensorboard", True)):
+            TensorBoardLog.preload()
 
     def close(self) -> None:
         """Release the run folder's lock (the run is over, finished or failed)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.lock.release()
+
+    def _events(self, first_round: int) -> TensorBoardLog | None:
+        """The run's TensorBoard log (``tensorboard=true``); events a cut-short attempt wrote
+        for ``first_round`` and after are dropped (a resume redoes those rounds)."""
+        if self.tensorboard is None and bool(self.cfg.get("tensorboard", True)):
+            self.tensorboard = TensorBoardLog(self.dir, purge_from=first_round)
+        return self.tensorboard
 
     def truncate_to(self, last_round: int) -> None:
         """On resume: drop lines of rounds after the checkpoint (they will be redone)."""
@@ -165,12 +179,18 @@ class RunRecorder:
         else:
             raise RuntimeError(f"no record of round {rnd} to attach its evaluation to")
         self._rewrite()
+        if (events := self._events(rnd + 1)) is not None:
+            events.log_evaluation(rec)
 
     def log_round(self, record: dict[str, Any]) -> None:
-        record = {**record, "elapsed_s": round(time.monotonic() - self.t0, 3)}
+        elapsed = time.monotonic() - self.t0
+        record = {**record, "elapsed_s": round(elapsed, 3)}
         self.rounds.append(record)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if (events := self._events(int(record["round"]))) is not None:
+            events.log_round(record, round_s=elapsed - self._last_elapsed)
+        self._last_elapsed = elapsed
 
     def finish(self, client_info: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
                status: str = "completed") -> dict[str, Any]:
@@ -182,6 +202,9 @@ class RunRecorder:
             summary["status"] = f"{summary['status']}-recovered"   # completed-recovered, partial-recovered
             summary["recovered_after_rounds"] = [r.get("after_round") for r in recoveries]
         atomic_write_text(self.dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+        if (events := self._events(int(summary["rounds"]) + 1)) is not None:
+            events.log_run(OmegaConf.to_container(self.cfg, resolve=True), OmegaConf.to_yaml(self.cfg, resolve=True),
+                           summary)
         try:
             plot_run(self.dir, self.rounds, summary)
         except Exception as err:  # plotting must never lose the results

@@ -1,0 +1,124 @@
+"""A progress bar for a run you can watch: round i/N, ETA, the last mean and worst-client
+accuracy, drawn with ``rich`` below the run's log (which keeps streaming above it).
+
+The numbers come from the run's own ``metrics.jsonl`` (read once a second), so the bar shows
+what the results will say, in ``pflower run``, ``sweep`` and ``deploy`` alike. It is on only
+when standard output is a terminal (``PFLOWER_PROGRESS=0`` turns it off there too); in a log
+file or CI the output is the plain log as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class RoundsSeen:
+    """What a run's metrics say so far: rounds recorded, and the last evaluated round's
+    mean and worst-client accuracy (None before the first evaluation)."""
+
+    done: int
+    mean: float | None = None
+    worst: float | None = None
+
+
+def rounds_seen(metrics: Path) -> RoundsSeen:
+    """Read ``metrics.jsonl`` (a line cut short by a writer is skipped)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return RoundsSeen(0)
+    records: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    evaluated = [r["evaluate"] for r in records if r.get("evaluate")]
+    last = evaluated[-1] if evaluated else {}
+    return RoundsSeen(max((int(r.get("round", 0)) for r in records), default=0),
+                      last.get("accuracy_mean"), last.get("accuracy_min"))
+
+
+def progress_wanted(stream: IO[str] | None = None) -> bool:
+    """On for a terminal, unless ``PFLOWER_PROGRESS=0``."""
+    if os.environ.get("PFLOWER_PROGRESS", "").strip() in ("0", "false", "no", "off"):
+        return False
+    stream = stream or sys.stdout
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+class RunProgress:
+    """The bar of one run; :meth:`print` writes a log line above it."""
+
+    def __init__(self, run_dir: Path, rounds: int, label: str, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.metrics = Path(run_dir) / "metrics.jsonl"
+        self._seen, self._stat = RoundsSeen(0), None   # re-read only when the file changed
+        self.console = console or Console()
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("rounds"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[accuracy]}"), console=self.console, transient=False)
+        self.task = self.progress.add_task(label, total=rounds, accuracy="")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> RunProgress:
+        self.progress.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.update()
+        self.progress.stop()
+
+    def update(self) -> None:
+        try:
+            st = self.metrics.stat()
+            stat = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            stat = None
+        if stat != self._stat:   # once a round: the file is large with many clients
+            self._seen, self._stat = rounds_seen(self.metrics), stat
+        seen = self._seen
+        accuracy = "" if seen.mean is None else f"accuracy mean {seen.mean:.4f} worst {seen.worst:.4f}"
+        self.progress.update(self.task, completed=seen.done, accuracy=accuracy)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self.update()
+
+    def print(self, line: str) -> None:
+        """A line of the run's log, above the bar (Flower's colours kept)."""
+        from rich.text import Text
+
+        self.console.print(Text.from_ansi(line.rstrip("\n")), soft_wrap=True)
+
+
+@contextmanager
+def run_progress(run_dir: Path, rounds: int, label: str, enabled: bool | None = None
+                 ) -> Iterator[RunProgress | None]:
+    """The bar while the block runs, or None when it is off (not a terminal)."""
+    if not (progress_wanted() if enabled is None else enabled):
+        yield None
+        return
+    with RunProgress(run_dir, rounds, label) as bar:
+        yield bar
