@@ -81,7 +81,9 @@ def test_superlink_service_matches_deploy(mode):
     compose = CASES[mode]()
     link = compose["services"][SUPERLINK_SERVICE]
     assert link["command"] == container_superlink_command(mode)
-    assert set(link["ports"]) == {f"{FLEET_PORT}:{FLEET_PORT}", f"{CONTROL_PORT}:{CONTROL_PORT}"}
+    # published on loopback unless PFLOWER_BIND says otherwise
+    assert set(link["ports"]) == {f"${{PFLOWER_BIND:-127.0.0.1}}:{FLEET_PORT}:{FLEET_PORT}",
+                                  f"${{PFLOWER_BIND:-127.0.0.1}}:{CONTROL_PORT}:{CONTROL_PORT}"}
     vols = volumes_by_target(link)
     db = link["command"][link["command"].index("--database") + 1]
     assert Path(db).parent == Path(CONTAINER_STATE) and CONTAINER_STATE in vols
