@@ -5,7 +5,7 @@ and 3 SuperNodes, insecure and with the TLS + authentication overlay, and a run 
 ``experiment=deploy-3`` for 2 rounds submitted from this machine that completes with 3 of 3
 clients; ``down`` leaves no container. These are the README's Docker commands.
 
-    python3 -m pytest -q -m docker      # ~9 min from no images on 2 cores, ~2 min with them
+    python3 -m pytest -q -m docker      # ~6.5 min from no images on 2 cores, ~2 min with them
 """
 
 from __future__ import annotations
