@@ -24,6 +24,13 @@ def node_client_id(node_config: Mapping[str, object]) -> str:
     )
 
 
+def _partitions(node_config: Mapping[str, object]) -> int | None:
+    """``N`` for a node that is a partition of ``N`` (no ``client-id``), else None."""
+    if str(node_config.get("client-id", "")) != "" or "num-partitions" not in node_config:
+        return None
+    return int(node_config["num-partitions"])   # type: ignore[call-overload]
+
+
 def serves(node_config: Mapping[str, object], client_id: str) -> bool:
     """Whether this node serves ``client_id``: its own id, or, for a node that is partition
     ``p`` of ``N`` (no ``client-id``), every client ``c`` with ``c mod N = p``. That is how a
@@ -33,17 +40,14 @@ def serves(node_config: Mapping[str, object], client_id: str) -> bool:
     own = node_client_id(node_config)
     if client_id == own:
         return True
-    if str(node_config.get("client-id", "")) != "" or "num-partitions" not in node_config:
-        return False
-    size = int(node_config["num-partitions"])   # type: ignore[call-overload]
-    return client_id.isdigit() and size > 0 and int(client_id) % size == int(own)
+    size = _partitions(node_config)
+    return bool(size) and client_id.isdigit() and int(client_id) % size == int(own)   # type: ignore[operator]
 
 
 def serves_several(node_config: Mapping[str, object], num_clients: int) -> bool:
     """Whether this node serves more than one of ``num_clients`` clients (see :func:`serves`)."""
-    if str(node_config.get("client-id", "")) != "" or "num-partitions" not in node_config:
-        return False
-    return int(node_config["num-partitions"]) < num_clients   # type: ignore[call-overload]
+    size = _partitions(node_config)
+    return size is not None and size < num_clients
 
 
 def client_id_of(context: Context, config: Mapping[str, object] | None = None) -> str:

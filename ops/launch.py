@@ -317,7 +317,11 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config:
     proc = subprocess.Popen(cmd, env=flower_env(flwr_home), start_new_session=True, **piped)
     reader = None
     if on_line is not None:
-        reader = threading.Thread(target=lambda: [on_line(line) for line in proc.stdout], daemon=True)
+        def forward() -> None:
+            for line in proc.stdout:
+                on_line(line)
+
+        reader = threading.Thread(target=forward, daemon=True)
         reader.start()
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

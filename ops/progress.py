@@ -9,7 +9,6 @@ file or CI the output is the plain log as before.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -31,17 +30,13 @@ class RoundsSeen:
 
 
 def rounds_seen(metrics: Path) -> RoundsSeen:
-    """Read ``metrics.jsonl`` (a line cut short by a writer is skipped)."""
+    """Read ``metrics.jsonl`` as the recorder does (a line cut short by the writer is dropped)."""
+    from server.results import read_rounds
+
     try:
-        lines = metrics.read_text().splitlines()
-    except OSError:
+        records = read_rounds(metrics)
+    except OSError:   # not written yet
         return RoundsSeen(0)
-    records: list[dict[str, Any]] = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
     evaluated = [r["evaluate"] for r in records if r.get("evaluate")]
     last = evaluated[-1] if evaluated else {}
     return RoundsSeen(max((int(r.get("round", 0)) for r in records), default=0),
@@ -69,7 +64,9 @@ class RunProgress:
             TimeRemainingColumn,
         )
 
-        self.metrics = Path(run_dir) / "metrics.jsonl"
+        from server.results import METRICS_FILE
+
+        self.metrics = Path(run_dir) / METRICS_FILE
         self._seen, self._stat = RoundsSeen(0), None   # re-read only when the file changed
         self.console = console or Console()
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -136,7 +136,7 @@ class RunRecorder:
         self.metrics_path = self.dir / METRICS_FILE
         self.rounds: list[dict[str, Any]] = []
         if resume and self.metrics_path.exists():
-            self.rounds = _read_rounds(self.metrics_path)
+            self.rounds = read_rounds(self.metrics_path)
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
@@ -243,10 +243,10 @@ def record_recovery(run_dir: Path, after_round: int, reason: str, evidence: Path
 
 def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / RECOVERIES_FILE
-    return _read_rounds(path) if path.exists() else []
+    return read_rounds(path) if path.exists() else []
 
 
-def _read_rounds(path: Path) -> list[dict[str, Any]]:
+def read_rounds(path: Path) -> list[dict[str, Any]]:
     """metrics.jsonl lines; a last line cut short by a killed run is dropped."""
     rounds = []
     for line in path.read_text().splitlines():
