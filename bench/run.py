@@ -209,7 +209,7 @@ def bench_bytes(methods: list[str]) -> str:
     from server.app import build_strategy
     from server.loop import run_federation
     from server.results import RunRecorder
-    from tests.conftest import FakeGrid
+    from tests.helpers import FakeGrid
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
     logging.getLogger("flwr").setLevel(logging.WARNING)   # keep the tables readable
@@ -233,14 +233,14 @@ def bench_bytes(methods: list[str]) -> str:
                 return client_app.evaluate(msg, contexts[cid])
 
             run_federation(strategy, FakeGrid(data.client_ids, handler), cfg, RunRecorder(cfg, resume=False))
-            log = strategy.round_log
-            down = sum(log.bytes_down.values()) / len(log.bytes_down)
-            up = sum(log.bytes_up.values()) / len(log.bytes_up)
+            comm = json.loads((Path(tmp) / name / "metrics.jsonl").read_text().splitlines()[0])["communication"]
+            down = sum(comm["bytes_down"].values()) / len(comm["bytes_down"])
+            up = sum(comm["bytes_up"].values()) / len(comm["bytes_up"])
             params = sum(p.numel() for p in strategy.model.parameters())
             state = sum(t.numel() * t.element_size() for t in strategy.model.state_dict().values())
             rows.append(f"| {name} | {params:,} | {state:,} | {down:,.0f} | {up:,.0f} | {up / state:.2f} |")
     return "\n".join(["One training round on digits-domains (4 clients, each method's default model), "
-                      "bytes of the arrays in the real Flower messages (strategy.round_log); model state = "
+                      "bytes of the arrays in the real Flower messages (the run's metrics.jsonl); model state = "
                       "one copy of the method's model (parameters and buffers).", "", *rows])
 
 

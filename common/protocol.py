@@ -95,6 +95,16 @@ def from_record(record: ArrayRecord | None) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in record.items()}
 
 
+def client_sort_key(client_id: str) -> tuple[int, int, str]:
+    """The one order of client ids, everywhere: participating clients as numbers ("2" <
+    "10"), held-out clients "new-k" after them, other labels (e.g. "node-<id>") last."""
+    if client_id.isdigit():
+        return (0, int(client_id), "")
+    if client_id.startswith("new-") and client_id[4:].isdigit():
+        return (1, int(client_id[4:]), "")
+    return (2, 0, client_id)
+
+
 def encode_client_id(client_id: str) -> dict[str, int]:
     """Metrics can only hold numbers: participating clients "7" -> 7, new clients "new-2" ->
     new-client-index 2. Other names are carried in the config record of the reply."""

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from common.flower_compat import FlowerVersionError, check_flower_version
 from learning.config import (
     ConfigError,
     compose_config,
@@ -537,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    try:
+        check_flower_version()     # before anything starts: pflower adapts Flower 1.39's internals
+    except FlowerVersionError as err:
+        print(f"pflower: {err}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

@@ -199,7 +199,7 @@ class SuperLink:
 
     def command(self) -> list[str]:
         """``python -m ops.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
-        timeout, ``common/flower_waits.py``) and :meth:`args`."""
+        timeout, ``common/flower_compat.py``) and :meth:`args`."""
         return [sys.executable, "-m", "ops.superlink", *self.args()]
 
     def args(self) -> list[str]:

@@ -48,7 +48,7 @@ from typing import Any
 from flwr.common.logger import log
 
 from client.timing import profiled
-from common.flower_waits import shorten_object_pull_backoff
+from common.flower_compat import run_clientapp_task, shorten_object_pull_backoff
 from ops.launch import pid_alive
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
@@ -163,65 +163,18 @@ def _same_code(fab_content: bytes) -> bool:
 
 # ---------------------------------------------------------------------- one task
 def run_task(argv: list[str], app: Any, lock: threading.Lock) -> int:
-    """What ``flwr-clientapp <argv>`` does (``run_clientapp``), in this process."""
-    from flwr.app import Message
-    from flwr.app.error import Error
-    from flwr.common.args import try_obtain_flwr_app_token
-    from flwr.common.constant import ErrorCode, SubStatus
-    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.interceptors import (
-        RuntimeTokenHttpInterceptor,
-        RuntimeVersionHttpInterceptor,
-    )
-    from flwr.supercore.retry import make_simple_http_retry_invoker
-    from flwr.supercore.runtime import RuntimeHttpClient
-    from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.cli.flwr_clientapp import _parse_args_run_flwr_clientapp
-    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+    """What ``flwr-clientapp <argv>`` does (``run_clientapp``), in this process: pflower's
+    ClientApp in process when the run's FAB is this installation's code, else the FAB's own
+    ClientApp in a process of its own."""
 
-    args = _parse_args_run_flwr_clientapp().parse_args(argv)
-    retry_invoker = make_simple_http_retry_invoker()
-    client = RuntimeHttpClient.from_server_address(
-        server_address=args.runtime_api_address, insecure=args.insecure,
-        root_certificates=validate_and_resolve_root_certificates(args.root_certificates, args.insecure),
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                      RuntimeTokenHttpInterceptor(try_obtain_flwr_app_token(args))],
-        retry_invoker=retry_invoker)
-    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
-    heartbeat.start()
-    message = reply = context = None
-    sub_status, details, code = SubStatus.FAILED, "ClientApp task failed due to unknown reason", 0
-    try:
-        with lock:   # Flower's task identity is per process: one task at a time
-            try:
-                message, context, run, fab = pull_task_input(client)
-                if fab_matches(fab.hash_str, fab.content):
-                    reply = app(message=message, context=context)
-                else:
-                    log(INFO, "pflower runner: run %s's FAB is not this installation's code; running it "
-                        "in its own process", run.run_id)
-                    reply, context = run_in_fab_process(fab, run, message, context)
-                sub_status, details = SubStatus.COMPLETED, ""
-            except Exception as ex:
-                reason = f"{type(ex)}:<'{ex}'>"
-                log(ERROR, "ClientApp raised an exception", exc_info=ex)
-                details, code = reason, 1
-                if message is not None:
-                    reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
-                                    reply_to=message)
-            if reply is not None and context is not None:
-                try:
-                    push_message(client, reply, context)
-                except Exception as ex:
-                    log(ERROR, "Failed to push reply message", exc_info=ex)
-                    code = 1
-    finally:
-        retry_invoker.max_tries = 1
-        push_task_output(client=client, context=context, sub_status=sub_status, details=details)
-        if heartbeat.is_running:
-            heartbeat.stop()
-        client.close()
-    return code
+    def handle(message: Any, context: Any, run: Any, fab: Any) -> tuple[Any, Any]:
+        if fab_matches(fab.hash_str, fab.content):
+            return app(message=message, context=context), context
+        log(INFO, "pflower runner: run %s's FAB is not this installation's code; running it "
+            "in its own process", run.run_id)
+        return run_in_fab_process(fab, run, message, context)
+
+    return run_clientapp_task(argv, handle, lock)
 
 
 # ---------------------------------------------------------------------- another FAB's code

@@ -31,6 +31,7 @@ from torch.utils.data import Subset
 
 from client.trainer import ClientRound, last_and_best, personalize_curve
 from common.methods import trainer_class
+from common.protocol import client_sort_key
 from learning.config import compose_config
 from learning.data import ClientSplit, load_federated_data
 from learning.models import resolve_device
@@ -75,7 +76,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
                       weight_decay=float(settings["weight_decay"]), epochs=1, clip=float(cfg.train.clip),
                       optimizer=str(cfg.train.optimizer))
     results: dict[str, Any] = {}
-    for cid in clients or sorted(data.new_clients, key=lambda c: int(c.split("-")[1])):
+    for cid in clients or sorted(data.new_clients, key=client_sort_key):
         split = data.new_clients[cid]
         per_mode: dict[str, Any] = {}
         for mode in trainer.new_client_modes():

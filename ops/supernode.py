@@ -1,6 +1,6 @@
 """``pflower-supernode``: Flower's ``flower-supernode`` (same arguments, same protocol) with
-changes that took a deployment round of ``experiment=deploy-3`` from 20-30 s to
-2.3-2.6 s on a 2-core machine (``docs/benchmarks.md``, (d)):
+changes that shorten a deployment round (measured in ``docs/benchmarks.md``, (d)); the
+patches to Flower's internals are in ``common/flower_compat.py``:
 
 - Its idle waits last at most ``--poll-interval`` seconds (default 0.2). Flower 1.39's
   SuperNode sleeps 3 s when the SuperLink has no message for it and looks for a ClientApp's
@@ -11,9 +11,9 @@ changes that took a deployment round of ``experiment=deploy-3`` from 20-30 s to
   one small request to the SuperLink: for thousands of nodes raise it (3 is Flower's pace).
 - Its ClientApps run in one long-lived runner per node (``ops/node_runner.py``) instead of
   one fresh process per message (``--no-runner``: Flower's processes).
-- Its object pulls back off from 0.05 s, not 1 s (``common/flower_waits.py``).
+- Its object pulls back off from 0.05 s, not 1 s (``common/flower_compat.py``).
 - A ClientApp task may miss heartbeats for 10 minutes, not 60 s, before it is failed
-  (``common/flower_waits.py``).
+  (``common/flower_compat.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from common.flower_waits import lengthen_task_heartbeat_ttl, shorten_object_pull_backoff
+from common.flower_compat import check_flower_version, run_supernode
 
 DEFAULT_POLL_INTERVAL = 0.2
 
@@ -48,13 +46,6 @@ def split_poll_interval(argv: list[str]) -> tuple[float, list[str]]:
         rest.append(arg)
         i += 1
     return interval, rest
-
-
-def capped_time(cap: float) -> SimpleNamespace:
-    """The ``time`` module as the SuperNode loop sees it: every sleep at most ``cap`` s."""
-    namespace = SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("__")})
-    namespace.sleep = lambda seconds: time.sleep(min(float(seconds), cap))
-    return namespace
 
 
 def use_runner(argv: list[str]) -> tuple[bool, list[str]]:
@@ -85,9 +76,7 @@ def start_runner() -> None:
 def main() -> None:
     interval, rest = split_poll_interval(sys.argv[1:])
     runner, rest = use_runner(rest)
-    import flwr.supernode.start_client_internal as loop
-    from flwr.supernode.cli import flower_supernode
-
+    check_flower_version()
     if "--help" in rest or "-h" in rest:
         print(f"pflower-supernode: flower-supernode's options below, and\n"
               f"  --poll-interval S  longest idle wait of the SuperNode and its SuperExec, seconds "
@@ -96,13 +85,9 @@ def main() -> None:
     elif runner:
         start_runner()
 
-    loop.time = capped_time(interval)   # only this module's sleeps: the pull and push loops
-    shorten_object_pull_backoff()       # the message's arrays from the SuperLink
-    lengthen_task_heartbeat_ttl()       # a ClientApp busy on a loaded machine is not failed at 60 s
     # the SuperExec it starts looks for ClientApp tasks every second by default
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(interval))
-    sys.argv = ["flower-supernode", *rest]
-    flower_supernode()
+    run_supernode(rest, interval)   # capped sleeps, short object pulls, long task heartbeats
 
 
 if __name__ == "__main__":

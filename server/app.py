@@ -9,15 +9,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.flower_waits import shorten_object_pull_backoff
-from common.methods import build_method_model, method_options, strategy_class
+from common.flower_compat import check_flower_version, shorten_object_pull_backoff
+from common.methods import build_method_model, strategy_class
 from learning.config import compose_config, run_config_to_overrides
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
 from server.loop import run_federation
 from server.results import RunRecorder
-from strategies.base import PersonalizedStrategy
+from strategies.base import PersonalizedStrategy, RunSettings
 
 app = ServerApp()
 
@@ -26,20 +26,9 @@ def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> Person
     """Initial model from the run seed, then the configured strategy around it."""
     model = build_method_model(cfg, data.input_shape, data.num_classes)
     cls = strategy_class(str(cfg.strategy.name), cfg.strategy)
-    return cls(
-        initial_arrays=get_arrays(model),
-        client_ids=data.client_ids,
-        fraction_train=float(cfg.fraction_train),
-        min_train_clients=min(int(cfg.min_train_clients), len(data.client_ids)),
-        weighted=method_options(cfg.strategy).weighted,
-        seed=int(cfg.seed),
-        wait_for_clients=float(cfg.wait_for_clients),
-        norm_bound=float(cfg.norm_bound),
-        options=dict(cfg.strategy),
-        model=model,
-        cfg=cfg,
-        data=data,
-    )
+    return cls(initial_arrays=get_arrays(model), client_ids=data.client_ids,
+               run=RunSettings.from_config(cfg, len(data.client_ids)), options=dict(cfg.strategy),
+               model=model, data=data)
 
 
 def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object]]:
@@ -48,7 +37,8 @@ def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    shorten_object_pull_backoff()   # replies' arrays: see common/flower_waits.py
+    check_flower_version()
+    shorten_object_pull_backoff()   # replies' arrays: see common/flower_compat.py
     cfg = compose_config(dict(context.run_config))
     # the summary from the data cache (no split is loaded on the server); built if not cached
     data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))

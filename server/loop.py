@@ -24,6 +24,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from common.flower_compat import send_and_receive
 from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
 from server.checkpoint import (
     CheckpointError,
@@ -33,7 +34,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.results import RunRecorder
-from strategies.base import PersonalizedStrategy, send_and_receive
+from strategies.base import PersonalizedStrategy
 
 
 def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
@@ -56,56 +57,80 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         if last > rounds:
             raise CheckpointError(f"the checkpoint in {recorder.dir} is at round {last}, beyond rounds={rounds}")
         restore_rng_state(groups.pop("_rng", {}), meta.get("rng_state", {}))
-        strategy.load_state_arrays(groups)
-        strategy.load_state_meta(meta.get("strategy_state", {}))
+        strategy.load_state(groups, meta.get("strategy_state", {}))
         recorder.truncate_to(last)
         start = last + 1
         log(INFO, "resumed %s from the checkpoint of round %d", recorder.dir, last)
     strategy.summary()
     # resume-round tells clients which of their saved state versions are valid
     base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds, "resume-round": start - 1}
-    fuse = bool(cfg.get("eval_in_train", True)) and strategy.fuses_evaluation
-    # the round whose evaluation rides on the next round's training messages (also after a
-    # resume from a checkpoint taken before that evaluation arrived)
-    pending = start - 1 if (fuse and recorder.rounds and start > 1
-                            and "evaluate" not in recorder.rounds[-1]
-                            and _is_eval_round(start - 1, cfg)) else None
+    fused = FusedEvaluation(bool(cfg.eval_in_train) and strategy.fuses_evaluation, cfg)
+    if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
+        fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
     for rnd in range(start, rounds + 1):
         t0 = time.monotonic()
-        train_config = {**base_config, **({EVALUATE_ROUND: pending} if pending is not None else {})}
         messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
-                                                 ConfigRecord(train_config), grid))
+                                                 ConfigRecord({**base_config, **fused.train_config()}), grid))
         replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout))
+        pending = fused.take()
         if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
             recorder.attach_evaluation(pending, _evaluate(strategy, grid, cfg, base_config, pending, replies))
-            pending = None
-        _, train_metrics = strategy.aggregate_train(rnd, replies)
-        comm = strategy.round_log
+        result = strategy.aggregate_round(rnd, replies)
+        comm = result.log
         record: dict[str, Any] = {
             "round": rnd,
-            "train": dict(train_metrics.items()) if train_metrics is not None else {},
+            "train": result.metrics,
             "communication": {"bytes_up": comm.bytes_up, "bytes_down": comm.bytes_down},
             "sampled": comm.sampled,
             "failed": comm.failed,
             "rejected": comm.rejected,
         }
-        if _is_eval_round(rnd, cfg):
-            if fuse and rnd < rounds:
-                pending = rnd
-            else:
-                record.update(_evaluate(strategy, grid, cfg, base_config, rnd))
+        if _is_eval_round(rnd, cfg) and not fused.defer(rnd):
+            record.update(_evaluate(strategy, grid, cfg, base_config, rnd))
         record.update(strategy.round_extras(rnd))
         recorder.log_round(record)
         ev = record.get("evaluate", {})
         log(INFO, "[round %d/%d] %.1fs | %d/%d clients trained | accuracy mean %s min %s",
             rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
-            f"{ev['accuracy_mean']:.4f}" if ev else "-" if pending is None else "(next round)",
+            f"{ev['accuracy_mean']:.4f}" if ev else "(next round)" if fused.pending is not None else "-",
             f"{ev['accuracy_min']:.4f}" if ev else "-")
         if int(cfg.checkpoint_every) > 0 and (rnd % int(cfg.checkpoint_every) == 0 or rnd == rounds):
             rng_arrays, rng_meta = rng_state_groups()
-            save_checkpoint(recorder.dir, rnd, {**strategy.state_arrays(), "_rng": rng_arrays},
-                            {**identity, "strategy_state": strategy.state_meta(), "rng_state": rng_meta})
+            groups, meta = strategy.state()
+            save_checkpoint(recorder.dir, rnd, {**groups, "_rng": rng_arrays},
+                            {**identity, "strategy_state": meta, "rng_state": rng_meta})
     return rounds
+
+
+class FusedEvaluation:
+    """The hand-over of a round's evaluation to the next round's training messages
+    (``eval_in_train``): the loop defers an evaluation round's evaluation (not the last
+    round's), names it in the next train config (``EVALUATE_ROUND``), and takes it back when
+    the replies are in."""
+
+    def __init__(self, enabled: bool, cfg: DictConfig) -> None:
+        self.enabled, self.cfg = enabled, cfg
+        self.pending: int | None = None
+
+    def resume_after(self, last: int) -> None:
+        """After a resume at ``last``: its evaluation, if it was deferred, is still owed."""
+        if self.enabled and _is_eval_round(last, self.cfg):
+            self.pending = last
+
+    def train_config(self) -> dict[str, Any]:
+        return {EVALUATE_ROUND: self.pending} if self.pending is not None else {}
+
+    def take(self) -> int | None:
+        """The round whose evaluation this round's train replies carry (then none)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def defer(self, rnd: int) -> bool:
+        """Defer evaluation round ``rnd`` to the next round's messages, when that exists."""
+        if self.enabled and rnd < int(self.cfg.rounds):
+            self.pending = rnd
+            return True
+        return False
 
 
 def _is_eval_round(rnd: int, cfg: DictConfig) -> bool:
@@ -119,18 +144,18 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
     sampled, failed, or all of them when there are no such replies)."""
     carried = [m for m in (train_replies or [])
                if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
-    done = {strategy.sender_of(m) for m in carried}
-    others = [c for c in strategy.connected_clients(grid) if c not in done]
+    done = {strategy.directory.sender_of(m) for m in carried}
+    others = [c for c in strategy.directory.connected(grid) if c not in done]
     eval_cfg = ConfigRecord({**base_config, "final": rnd == int(cfg.rounds)})
     messages = strategy.evaluate_messages(rnd, eval_cfg, others, already=done)
     replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout)) if messages else []
-    summary = strategy.aggregate_evaluate(rnd, [*carried, *replies])
+    evaluation = strategy.evaluation_of(rnd, [*carried, *replies])
+    summary = evaluation.summary()
     if summary is None:
         return {}
     if train_replies is not None:
-        ev = dict(summary.items())
+        ev = summary
         log(INFO, "[round %d] evaluation (with round %d's training: %d, by evaluate message: %d) | "
             "accuracy mean %.4f min %.4f", rnd, rnd + 1, len(carried), len(messages),
             ev["accuracy_mean"], ev["accuracy_min"])
-    return {"evaluate": dict(summary.items()), "clients": strategy.last_eval,
-            "eval_failed": strategy.eval_failed}
+    return {"evaluate": summary, "clients": evaluation.per_client, "eval_failed": evaluation.failed}

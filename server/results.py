@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from common.protocol import client_sort_key
 from learning.storage import atomic_write_text
 from server.tensorboard import TB_DIR, TensorBoardLog
 
@@ -303,7 +304,7 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
     if curve:
         summary["finetune_curve"] = {k[: -len("_mean")]: v for k, v in sorted(
             curve.items(), key=lambda kv: int(kv[0].split("_")[0]))}
-    for cid, m in sorted(per_client.items(), key=lambda kv: _cid_key(kv[0])):
+    for cid, m in sorted(per_client.items(), key=lambda kv: client_sort_key(kv[0])):
         entry = {"accuracy": m["accuracy"], "num_train": int(client_info.get(cid, {}).get("num_train", 0))}
         for key in ("val_accuracy", "global_accuracy", "ft_accuracy"):
             if key in m:
@@ -356,7 +357,7 @@ def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],
                     client_info: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Which of the run's clients the final numbers cover, and why the others are missing
     (an accuracy mean over 7 of 8 clients must say so)."""
-    expected = sorted(client_info, key=_cid_key)
+    expected = sorted(client_info, key=client_sort_key)
     reported = [c for c in expected if c in last.get("clients", {})]
     failed_rounds: dict[str, int] = {}
     last_reason: dict[str, str] = {}
@@ -371,10 +372,6 @@ def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],
                for c in expected if c not in reported}
     return {"clients_expected": len(expected), "clients_reported": len(reported),
             "clients_missing": missing, "client_failures": failed_rounds}
-
-
-def _cid_key(cid: str) -> tuple[int, int]:
-    return (1, int(cid[4:])) if cid.startswith("new-") else (0, int(cid) if cid.isdigit() else 0)
 
 
 def accuracy_lines(evals: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -120,14 +120,14 @@ class FDSE(PersonalizedStrategy):
 
     # ------------------------------------------------------------------ aggregation
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        uploaded = updates     # uploads breaking the roles were rejected in parse_replies
+        uploaded = updates     # uploads breaking the roles were rejected (strategies/replies.py)
         if not uploaded:
             log(WARNING, "fdse: round %d had no valid uploads; nothing to aggregate", server_round)
             return
         # --- shared parameters: consensus maximisation (Eq. 8), update vs what was sent
         deltas = []
         for u in uploaded:
-            sent = self._sent.get(u.client_id, self.global_arrays)
+            sent = self.sent.get(u.client_id, self.global_arrays)
             # in the tensors' own precision (float32 models: no float64 copies)
             deltas.append({k: np.subtract(u.arrays[k], sent[k]) for k in self.groups["consensus"]})
         step, weights = consensus_update_many(deltas, tol=self.tol, zero_policy=self.zero_policy,

@@ -20,14 +20,14 @@ from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Message
 from flwr.common.logger import log
 
 from common.options import FedBABUOptions, FedProxOptions
-from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC
+from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, client_sort_key
 from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, num_bytes
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.base import ClientUpdate, Evaluation, PersonalizedStrategy, TrainResult
 from strategies.fedbabu_math import (
     average_body,
     head_digest,
@@ -48,7 +48,7 @@ class FedBABU(PersonalizedStrategy):
             raise ValueError("FedBABU needs the initial model and its options to find its head "
                              "(pass model= and options=cfg.strategy)")
         self.head_keys: list[str] = keys_with(self.roles, FROZEN)
-        seed = int(self.cfg.seed) if self.cfg is not None else int(self.options.get("seed", 0))
+        seed = self.run.seed
         mode = self.opts.head_init if isinstance(self.opts, FedBABUOptions) else "orthogonal"
         self.head_init = mode
         _, head0 = split_head(self.global_arrays, self.head_keys)
@@ -58,6 +58,7 @@ class FedBABU(PersonalizedStrategy):
         self.head_sha = head_digest(self.head)
         self.train_config[HEAD_DIGEST_KEY] = self.head_sha
         self.head_acked: set[str] = set()
+        self.head_sent_to: list[str] = []    # this round's clients that were sent the head
         log(INFO, "FedBABU: head %s (%d bytes, init %s) fixed for the whole training",
             self.head_keys, num_bytes(self.head), mode)
 
@@ -91,23 +92,26 @@ class FedBABU(PersonalizedStrategy):
                 self.head_acked.discard(label)
                 log(WARNING, "FedBABU: client %s failed; it will be sent the head again", label)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+    def aggregate_round(self, server_round: int, replies: Iterable[Message]) -> TrainResult:
+        body_bytes = self._body_bytes()
+        self.head_sent_to = sorted((c for c, p in self.sent.items() if num_bytes(p) > body_bytes),
+                                   key=client_sort_key)
+        failed = list(self.sent)    # if the round fails, every sampled client is sent the head again
         try:
-            return super().aggregate_train(server_round, replies)
+            result = super().aggregate_round(server_round, replies)
+            failed = list(result.log.failed) + list(result.log.rejected)
+            return result
         finally:
-            self._forget_failed(list(self.round_log.failed) + list(self.round_log.rejected))
+            self._forget_failed(failed)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        out = super().aggregate_evaluate(server_round, replies)
-        self._forget_failed(self.eval_failed)
-        return out
+    def evaluation_of(self, server_round: int, replies: Iterable[Message]) -> Evaluation:
+        evaluation = super().evaluation_of(server_round, replies)
+        self._forget_failed(evaluation.failed)
+        return evaluation
 
     # ------------------------------------------------------------------ records
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        return {"fedbabu": {"head_sent_to": sorted(c for c, b in self.round_log.bytes_down.items()
-                                                   if b > self._body_bytes())}}
+        return {"fedbabu": {"head_sent_to": self.head_sent_to}}
 
     def _body_bytes(self) -> int:
         return num_bytes(split_head(self.global_arrays, self.head_keys)[0])
@@ -118,15 +122,13 @@ class FedBABU(PersonalizedStrategy):
                 "head_sha256": self.head_sha}
 
     # ------------------------------------------------------------------ checkpoint
-    def state_meta(self) -> dict[str, Any]:
-        return {**super().state_meta(), "head_acked": sorted(self.head_acked)}
+    def state(self) -> tuple[dict[str, NDArrays], dict[str, Any]]:
+        groups, meta = super().state()
+        return groups, {**meta, "head_acked": sorted(self.head_acked)}
 
-    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
-        super().load_state_meta(meta)
+    def load_state(self, groups: Mapping[str, NDArrays], meta: Mapping[str, Any]) -> None:
+        super().load_state(groups, meta)
         self.head_acked = set(meta.get("head_acked", []))
-
-    def load_state_arrays(self, groups: Mapping[str, NDArrays]) -> None:
-        super().load_state_arrays(groups)
         _, head = split_head(self.global_arrays, self.head_keys)
         if head_digest(head) != self.head_sha:
             raise ValueError("the checkpoint's head differs from this run's initial head (different "

@@ -29,10 +29,10 @@ import numpy as np
 from flwr.common.logger import log
 
 from common.options import FedBasisOptions
-from common.protocol import COEFF_METRIC
+from common.protocol import COEFF_METRIC, client_sort_key
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.base import ClientUpdate, PersonalizedStrategy, client_labels
 from strategies.fedbasis_math import flatten, mean_entropy, mean_pairwise_cosine, seed_bases
 
 
@@ -45,8 +45,7 @@ class FedBasis(PersonalizedStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.global_arrays.pop(COEFF_KEY, None)              # the clients' own, never sent
-        rounds = int(self.cfg.rounds) if self.cfg is not None else 0
-        self.warm_rounds = int(self.opts.warm_fraction * rounds)
+        self.warm_rounds = int(self.opts.warm_fraction * self.run.rounds)
         self.seeded = self.warm_rounds == 0
         self.switch: dict[str, Any] = {}
         self.coefficients: dict[int, dict[str, dict[str, list[float]]]] = {}   # round -> client -> unit -> alpha
@@ -89,7 +88,7 @@ class FedBasis(PersonalizedStrategy):
         n = len(self.warm_prefix)
         models = [{k[n:]: v for k, v in u.arrays.items()} for u in updates]
         k = self.opts.num_bases
-        bases, assignment = seed_bases(models, k, self.opts.seed_bases, seed=int(self.cfg.seed) if self.cfg else 0)
+        bases, assignment = seed_bases(models, k, self.opts.seed_bases, seed=self.run.seed)
         for j, basis in enumerate(bases):
             self.global_arrays.update({basis_prefix(j) + key: v for key, v in basis.items()})
         self.seeded = True
@@ -128,7 +127,7 @@ class FedBasis(PersonalizedStrategy):
         return out
 
     def summary_extras(self) -> dict[str, Any]:
-        run_dir = self.run_dir()
+        run_dir = self.run.run_dir
         if run_dir is not None:
             try:
                 if self.diagnostics:
@@ -136,7 +135,7 @@ class FedBasis(PersonalizedStrategy):
                                      float(np.log(self.opts.num_bases)))
                 if self.coefficients:
                     plot_coefficients(run_dir / "coefficients.png", self.latest_coefficients(),
-                                      self.client_labels(prefix=""), self.opts.major)
+                                      client_labels(self.data, prefix=""), self.opts.major)
             except Exception as err:  # a plot must never stop the run
                 log(WARNING, "fedbasis: could not plot: %s", err)
         last = self.diagnostics[max(self.diagnostics)] if self.diagnostics else {}
@@ -144,13 +143,14 @@ class FedBasis(PersonalizedStrategy):
                 "fedbasis_switch": self.switch, "fedbasis_basis_cosine": last.get("basis_cosine"),
                 "fedbasis_coeff_entropy": last.get("coeff_entropy")}
 
-    def state_meta(self) -> dict[str, Any]:
-        return {**super().state_meta(), "seeded": self.seeded, "switch": self.switch,
-                "coefficients": {str(r): v for r, v in self.coefficients.items()},
-                "diagnostics": {str(r): v for r, v in self.diagnostics.items()}}
+    def state(self) -> tuple[dict[str, NDArrays], dict[str, Any]]:
+        groups, meta = super().state()
+        return groups, {**meta, "seeded": self.seeded, "switch": self.switch,
+                        "coefficients": {str(r): v for r, v in self.coefficients.items()},
+                        "diagnostics": {str(r): v for r, v in self.diagnostics.items()}}
 
-    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
-        super().load_state_meta(meta)
+    def load_state(self, groups: Mapping[str, NDArrays], meta: Mapping[str, Any]) -> None:
+        super().load_state(groups, meta)
         self.seeded = bool(meta.get("seeded", self.seeded))
         self.switch = dict(meta.get("switch", {}))
         self.coefficients = {int(r): v for r, v in meta.get("coefficients", {}).items()}
@@ -204,7 +204,6 @@ def plot_coefficients(path: Path, coefficients: Mapping[str, Mapping[str, list[f
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from strategies.base import client_sort_key
 
     clients = sorted(coefficients, key=client_sort_key)
     units = list(dict.fromkeys(u for c in clients for u in coefficients[c]))

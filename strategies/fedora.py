@@ -78,7 +78,7 @@ _GRAPH_GROUP = "fedora-graph"
 class FEDORA(PersonalizedStrategy):
     """FEDORA server: similarity graph from client bases, per-round parameter propagation.
 
-    State (all checkpointed by :meth:`state_arrays`): ``bases[cid]`` (d x p), ``theta[cid]``
+    State (all checkpointed by :meth:`state`): ``bases[cid]`` (d x p), ``theta[cid]``
     (latest upload), ``personal[cid]`` (= theta_hat, sent to the client), ``w`` (the K x K
     graph used for propagation) and ``cosine_sum`` (the full matrix of summed principal
     cosines, for the report).
@@ -162,7 +162,7 @@ class FEDORA(PersonalizedStrategy):
     def save_similarity(self) -> None:
         """Write ``similarity.npy`` (W used for propagation), ``similarity.json`` (both
         matrices with client ids and settings) and the heat map ``similarity.png``."""
-        run_dir = self.run_dir()
+        run_dir = self.run.run_dir
         if run_dir is None or self.w is None or self.cosine_sum is None:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -248,18 +248,18 @@ class FEDORA(PersonalizedStrategy):
         return out
 
     # ------------------------------------------------------------------ checkpoint
-    def state_arrays(self) -> dict[str, NDArrays]:
-        groups = super().state_arrays()
+    def state(self) -> tuple[dict[str, NDArrays], dict[str, Any]]:
+        groups, meta = super().state()
         for cid, arrays in self.theta.items():
             groups[_THETA_GROUP + cid] = dict(arrays)
         for cid, u in self.bases.items():
             groups[_BASIS_GROUP + cid] = {BASIS_ARRAY: u}
         if self.w is not None and self.cosine_sum is not None:
             groups[_GRAPH_GROUP] = {"w": self.w, "cosine_sum": self.cosine_sum}
-        return groups
+        return groups, meta
 
-    def load_state_arrays(self, groups: Mapping[str, NDArrays]) -> None:
-        super().load_state_arrays(groups)
+    def load_state(self, groups: Mapping[str, NDArrays], meta: Mapping[str, Any]) -> None:
+        super().load_state(groups, meta)
         self.theta = {k[len(_THETA_GROUP):]: dict(v) for k, v in groups.items()
                       if k.startswith(_THETA_GROUP)}
         self.bases = {k[len(_BASIS_GROUP):]: np.asarray(v[BASIS_ARRAY]) for k, v in groups.items()

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 from flwr.common.logger import log
 
 from common.protocol import P_GLOBAL_METRIC as P_GLOBAL
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from common.protocol import client_sort_key
+from learning.params import NDArrays
+from strategies.base import ClientUpdate, PersonalizedStrategy, client_labels
 
 
 class PartialFedFix(PersonalizedStrategy):
@@ -55,19 +57,20 @@ class PartialFedAdaptive(PersonalizedStrategy):
         return {"partialfed": {"p_global": self.gate_history.get(server_round, {})}}
 
     def summary_extras(self) -> dict[str, Any]:
-        run_dir = self.run_dir()
+        run_dir = self.run.run_dir
         if run_dir is not None and self.gate_history:
             try:
-                plot_gates(run_dir / "gates.png", self.gate_history, self.client_labels())
+                plot_gates(run_dir / "gates.png", self.gate_history, client_labels(self.data))
             except Exception as err:  # a plot must never stop the run
                 log(WARNING, "partialfed: could not plot the gates: %s", err)
         return {"partialfed_p_global": self.latest_gates()}
 
-    def state_meta(self) -> dict[str, Any]:
-        return {**super().state_meta(), "gate_history": {str(r): v for r, v in self.gate_history.items()}}
+    def state(self) -> tuple[dict[str, NDArrays], dict[str, Any]]:
+        groups, meta = super().state()
+        return groups, {**meta, "gate_history": {str(r): v for r, v in self.gate_history.items()}}
 
-    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
-        super().load_state_meta(meta)
+    def load_state(self, groups: Mapping[str, NDArrays], meta: Mapping[str, Any]) -> None:
+        super().load_state(groups, meta)
         self.gate_history = {int(r): v for r, v in meta.get("gate_history", {}).items()}
 
 
@@ -82,7 +85,7 @@ def plot_gates(path: Path, history: Mapping[int, Mapping[str, Mapping[str, float
 
     rounds = sorted(history)
     units = list(dict.fromkeys(u for r in rounds for c in history[r].values() for u in c))
-    clients = sorted({c for r in rounds for c in history[r]}, key=lambda c: (len(c), c))
+    clients = sorted({c for r in rounds for c in history[r]}, key=client_sort_key)
     cols = min(len(units), 5)
     rows = (len(units) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import make_strategy
 
 from learning.params import weighted_mean
 from strategies.base import ClientUpdate
@@ -46,7 +47,8 @@ def test_weighted_mean_rejects_bad_weights():
 
 def _strategy(cls, clients, weighted=True):
     initial = {k: np.zeros_like(v) for k, v in clients[0].items()}
-    return cls(initial_arrays=initial, client_ids=[str(i) for i in range(len(clients))], weighted=weighted)
+    return make_strategy(cls, initial, [str(i) for i in range(len(clients))],
+                         options={"name": cls.name, "weighted": weighted})
 
 
 @pytest.mark.parametrize("weighted", [True, False])

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FakeGrid
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from helpers import FakeGrid, make_strategy
 from test_method_contract import Clients, _records, _run_config
 
 from client import app as client_app
@@ -71,14 +71,15 @@ def test_two_nodes_serve_eight_clients_bit_for_bit_like_eight_nodes(name: str, t
     extra = ["dataset.clients_per_domain=2", "fraction_train=0.5"]
     apart = _federate_on(_run_config(name, extra, tmp_path, "eight", rounds=3), 1, None)
     shared = _federate_on(_run_config(name, extra, tmp_path, "two", rounds=3), 2, 2)
-    assert len(shared.client_ids) == 8 and sorted(shared.last_eval) == shared.client_ids
-    assert len(set(shared.node_of.values())) == 2 and len(set(apart.node_of.values())) == 8
+    last = _records(tmp_path / "two")[-1]
+    assert len(shared.client_ids) == 8 and sorted(last["clients"], key=int) == shared.client_ids
+    assert len(set(shared.directory.node_of.values())) == 2 and len(set(apart.directory.node_of.values())) == 8
     for a, b in zip(_records(tmp_path / "eight"), _records(tmp_path / "two"), strict=True):
         assert a["sampled"] == b["sampled"] and b["failed"] == {} and b["rejected"] == {}
         assert a["clients"] == b["clients"] and a["evaluate"] == b["evaluate"], f"round {a['round']}"
-    for group, arrays in apart.state_arrays().items():
+    for group, arrays in apart.state()[0].items():
         for k, v in arrays.items():
-            np.testing.assert_array_equal(shared.state_arrays()[group][k], v, err_msg=f"{group}/{k}")
+            np.testing.assert_array_equal(shared.state()[0][group][k], v, err_msg=f"{group}/{k}")
     # every client's private state went to its own folder, not its node's
     def states(run: str) -> dict[str, list[str]]:
         return {d.name: sorted(f.name for f in d.iterdir()) for d in (tmp_path / run / "client_state").iterdir()}
@@ -121,11 +122,11 @@ def test_a_reply_for_another_client_than_its_message_named_is_rejected() -> None
     def wrong(cid: str, msg: Message) -> Message:
         return make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, "2" if cid == "0" else cid, 1)
 
-    st = PersonalizedStrategy(initial_arrays=dict(REF), client_ids=["0", "1", "2", "3"], min_train_clients=2)
+    st = make_strategy(PersonalizedStrategy, dict(REF), ["0", "1", "2", "3"])
     grid = FakeGrid(["0", "1"], wrong, num_partitions=2)
     msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
     assert {str(m.content.config_records[CONFIG_KEY][TARGET_CLIENT]): m.metadata.dst_node_id for m in msgs} == {
         "0": grid.node_of["0"], "1": grid.node_of["1"], "2": grid.node_of["0"], "3": grid.node_of["1"]}
-    st.aggregate_train(1, grid.send_and_receive(msgs, timeout=5))
-    assert st.round_log.rejected == {"0": "the reply to client 0's message is for client 2"}
-    assert sorted(st.round_log.replied) == ["1", "2", "3"]
+    result = st.aggregate_round(1, grid.send_and_receive(msgs, timeout=5))
+    assert result.log.rejected == {"0": "the reply to client 0's message is for client 2"}
+    assert sorted(result.log.replied) == ["1", "2", "3"]

@@ -7,7 +7,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import pflower
+from helpers import pflower
 
 
 @pytest.mark.e2e

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FakeGrid
 from flwr.app import MessageType
+from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
 from learning.config import compose_config

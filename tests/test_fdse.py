@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
-from conftest import pflower
+from helpers import pflower
 
 from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.trainer import MODEL_PREFIX, ClientRound
@@ -41,8 +42,8 @@ def setup():
 def make_strategy(cfg, data, client_ids=None) -> FDSE:
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    return FDSE(get_arrays(model), client_ids or data.client_ids, options=dict(cfg.strategy),
-                model=model, cfg=cfg, data=data)
+    return helpers.make_strategy(FDSE, get_arrays(model), client_ids or data.client_ids,
+                                 options=dict(cfg.strategy), model=model, data=data)
 
 
 def client_round(cfg, data, cid: str, rnd: int) -> ClientRound:
@@ -62,7 +63,7 @@ def two_rounds(setup):
         updates = []
         for node, cid in enumerate(clients):
             payload = strat.payload_for(cid)
-            strat._sent[node] = payload
+            strat.sent[cid] = payload
             res = trainer.fit(client_round(cfg, data, cid, rnd), payload, states[cid])
             states[cid] = res.state
             log["payloads"][(rnd, cid)] = payload
@@ -71,7 +72,7 @@ def two_rounds(setup):
         strat.aggregate_updates(rnd, updates)
         log["personal_after"][rnd] = {c: {k: v.copy() for k, v in p.items()}
                                       for c, p in strat.personal.items()}
-        strat._sent = {}
+        strat.sent = {}
     return strat, trainer, states, log
 
 
@@ -190,9 +191,9 @@ def test_absent_client_keeps_its_personal_state(two_rounds):
     changed = [k for k in after1["0"] if not np.array_equal(after1["0"][k], after2["0"][k])]
     assert changed, "clients of round 2 must receive a new personal mix"
     # checkpoint round trip keeps per-client state keyed by the stable id
-    groups = strat.state_arrays()
-    fresh = FDSE(strat.reference, ["0", "1", "2"], options=strat.options, model=strat.model)
-    fresh.load_state_arrays(groups)
+    groups, meta = strat.state()
+    fresh = helpers.make_strategy(FDSE, strat.reference, ["0", "1", "2"], options=strat.options, model=strat.model)
+    fresh.load_state(groups, meta)
     for cid in ("0", "1", "2"):
         for k, v in strat.personal[cid].items():
             np.testing.assert_array_equal(fresh.personal[cid][k], v)
@@ -208,7 +209,7 @@ def test_fdse_needs_an_fdse_model(setup):
     cfg, data = setup
     plain = build_model(compose_config({}, ["model=alexnet-bn"]).model, data.input_shape, data.num_classes)
     with pytest.raises(ValueError, match="fdse-alexnet"):
-        FDSE(get_arrays(plain), ["0"], options=dict(cfg.strategy), model=plain)
+        helpers.make_strategy(FDSE, get_arrays(plain), ["0"], options=dict(cfg.strategy), model=plain)
 
 
 # ------------------------------------------------------------------ unseen domains
@@ -217,7 +218,7 @@ def test_adapt_unseen_trains_only_personal_modules(setup, two_rounds):
     strat = two_rounds[0]
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     pkeys = strat.groups["personal"]
-    groups = strat.state_arrays()
+    groups, _ = strat.state()
     arrays = {**groups["global"], **personal_init(groups, pkeys, "mean")}
     np.testing.assert_allclose(arrays[pkeys[0]], np.mean([strat.personal[c][pkeys[0]] for c in "012"], axis=0),
                                rtol=1e-6)

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import pflower
+from helpers import pflower
 
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import pflower
+from helpers import pflower
 from torch import nn
 from torch.func import functional_call
 

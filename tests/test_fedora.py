@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FakeGrid, pflower
+from helpers import FakeGrid, make_strategy, pflower
 
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
@@ -26,7 +26,7 @@ from learning.data import DatasetError, build_federated_data, load_federated_dat
 from learning.models import build_model
 from learning.params import get_arrays
 from learning.training import OptimConfig, train_epochs
-from strategies.base import ClientUpdate
+from strategies.base import ClientUpdate, RunSettings
 from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,12 +242,8 @@ def _strategy(num: int, tmp_path: Path | None = None, **options):
     opts = {**dict(compose_config({"strategy": "fedora"}).strategy), "top_k": None, **options}
     init = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32),
             "n": np.array(0, np.int64)}
-    cfg = None
-    if tmp_path is not None:
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.create({"results_root": str(tmp_path), "run_name": "run"})
-    return FEDORA(init, [str(i) for i in range(num)], min_train_clients=1, options=opts, cfg=cfg)
+    return make_strategy(FEDORA, init, [str(i) for i in range(num)], options=opts, min_train_clients=1,
+                         run_dir=tmp_path / "run" if tmp_path is not None else None)
 
 
 def _update(cid: str, rng, basis: np.ndarray | None) -> ClientUpdate:
@@ -336,10 +332,11 @@ def test_strategy_state_roundtrips_through_a_checkpoint(tmp_path):
     s = _strategy(num)
     s.aggregate_updates(1, [_update(str(i), rng, np.linalg.qr(rng.standard_normal((6, 1)))[0])
                             for i in range(num)])
-    save_checkpoint(tmp_path, 1, s.state_arrays(), {"x": 1})
+    groups, meta = s.state()
+    save_checkpoint(tmp_path, 1, groups, {"x": 1})
     _, groups, _ = load_checkpoint(tmp_path, {"x": 1})
     r = _strategy(num)
-    r.load_state_arrays(groups)
+    r.load_state(groups, meta)
     np.testing.assert_array_equal(r.w, s.w)
     np.testing.assert_array_equal(r.cosine_sum, s.cosine_sum)
     assert set(r.bases) == set(s.bases) and r.missing_bases() == []
@@ -370,8 +367,8 @@ def test_in_process_federation_digits_rotated(tmp_path):
     cfg = _cfg(root=tmp_path)
     data = load_federated_data(cfg.dataset, 0)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    s = FEDORA(get_arrays(model), data.client_ids, min_train_clients=1,
-               options=dict(cfg.strategy), model=model, cfg=cfg, data=data)
+    s = FEDORA(initial_arrays=get_arrays(model), client_ids=data.client_ids,
+               run=RunSettings.from_config(cfg, 1), options=dict(cfg.strategy), model=model, data=data)
     trainer = FEDORATrainer(cfg)
     states: dict[str, dict] = {c: {} for c in data.client_ids}
     accs = []

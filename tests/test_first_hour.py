@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FakeGrid
 from flwr.app import ConfigRecord
+from helpers import FakeGrid, make_strategy
 from omegaconf import OmegaConf
 from PIL import Image
-from styled_digits import make_styled_digits
 
 from common.protocol import make_reply, to_record
 from learning.config import compose_config
+from ops.styled_digits import make_styled_digits
 from server.results import (
     RunFolderError,
     RunFolderLock,
@@ -142,8 +142,7 @@ def test_the_cli_last_line_says_a_run_is_partial(capsys: pytest.CaptureFixture[s
 # ---------------------------------------------------------------- federation size
 def _strategy(n: int, **kw: object) -> PersonalizedStrategy:
     kw.setdefault("wait_for_clients", 120.0)
-    return PersonalizedStrategy(initial_arrays=dict(REF), client_ids=[str(i) for i in range(n)],
-                                min_train_clients=2, **kw)  # type: ignore[arg-type]
+    return make_strategy(PersonalizedStrategy, dict(REF), [str(i) for i in range(n)], **kw)
 
 
 def _train(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> list:
@@ -172,10 +171,10 @@ def test_a_client_that_disappears_is_waited_for_once_not_every_round() -> None:
     st = _strategy(4, wait_for_clients=1.0)
     grid = FakeGrid([str(i) for i in range(4)],
                     lambda cid, msg: make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, cid, 1))
-    st.aggregate_train(1, grid.send_and_receive(_train(st, grid), timeout=5))
+    st.aggregate_round(1, grid.send_and_receive(_train(st, grid), timeout=5))
     del grid.client_of[grid.node_of.pop("3")]            # its SuperNode dies
     t0 = time.monotonic()
-    st.aggregate_train(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
+    st.aggregate_round(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
     waited = time.monotonic() - t0
     t1 = time.monotonic()
     msgs = _train(st, grid, 3)
@@ -353,7 +352,7 @@ def test_compare_measures_r_acc_against_local_with_another_model(tmp_path: Path)
 def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
     """Cut the log stream (kill ``flwr run --stream``) at round 2 while the SuperLink goes
     on: pflower follows the run to its end instead of stopping a healthy run."""
-    from conftest import pflower_popen
+    from helpers import pflower_popen
 
     from ops.launch import cmdline as _cmdline
     from ops.launch import process_tree
@@ -391,7 +390,7 @@ def test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation(
     numbers of the same run on 8 SuperNodes, bit for bit."""
     import os
 
-    from conftest import REPO
+    from helpers import REPO
 
     from ops.launch import cmdline as _cmdline
     from ops.launch import kill_tree

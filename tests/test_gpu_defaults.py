@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import pflower
 
 from learning.config import ConfigError, compose_config
 from ops.cli import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
-from tests.conftest import pflower
 
 
 @pytest.mark.parametrize(("clients", "gpus", "cpus", "per_client", "expected"), [

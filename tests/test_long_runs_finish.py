@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, pflower, pflower_popen
+from helpers import REPO, pflower, pflower_popen
 
 from learning.config import ConfigError, compose_config, split_overrides
 from ops.launch import cmdline, kill_tree, process_tree
@@ -126,7 +126,7 @@ def test_death_reason_names_flowers_heartbeat_failure() -> None:
 def test_task_heartbeat_timeout_is_lengthened_and_node_liveness_is_not() -> None:
     """The patch changes the task TTL (2 x 30 s in Flower 1.39) and not how soon a
     SuperNode that stopped is taken for gone; run in a fresh process (it patches a module)."""
-    code = ("from common.flower_waits import lengthen_task_heartbeat_ttl as f; assert f(600.0);"
+    code = ("from common.flower_compat import lengthen_task_heartbeat_ttl as f; assert f(600.0);"
             "from flwr.supercore.corestate import sql_corestate as s, in_memory_corestate as m;"
             "from flwr.server.superlink.linkstate import sql_linkstate as l;"
             "from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL as i;"

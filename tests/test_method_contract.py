@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FakeGrid
 from flwr.app import Context, Message, MessageType, RecordDict
+from helpers import FakeGrid
 
 from client import app as client_app
 from common.methods import METHODS, VARIANTS, parameter_roles
@@ -96,15 +96,15 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     initial = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
     roles = parameter_roles(cfg.strategy, strategy.model)
     assert set(roles) == set(strategy.model.state_dict())
-    log = strategy.round_log
-    assert log.failed == {} and log.rejected == {}, (log.failed, log.rejected)
-    assert sorted(log.replied) == sorted(strategy.client_ids)
+    record = _records(tmp_path / "restarted")[-1]
+    assert record["failed"] == {} and record["rejected"] == {}, (record["failed"], record["rejected"])
+    assert sorted(record["sampled"]) == sorted(strategy.client_ids)
     for cid, keys in clients.uploads.items():
         assert keys == set(keys_with(roles, *UPLOADED)), f"client {cid} uploaded {sorted(keys)[:5]}"
     for k in keys_with(roles, FROZEN):
         np.testing.assert_array_equal(strategy.global_arrays[k], initial.global_arrays[k])
-    assert sorted(strategy.last_eval) == sorted(strategy.client_ids)
-    assert all(0.0 <= m["accuracy"] <= 1.0 for m in strategy.last_eval.values())
+    assert sorted(record["clients"]) == sorted(strategy.client_ids)
+    assert all(0.0 <= m["accuracy"] <= 1.0 for m in record["clients"].values())
 
     # ---- 2. checkpoint round trip
     run_dir = tmp_path / "restarted"
@@ -112,8 +112,7 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     assert last == 1
     groups.pop("_rng", None)
     restored = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
-    restored.load_state_arrays(groups)
-    restored.load_state_meta(meta["strategy_state"])
+    restored.load_state(groups, meta["strategy_state"])
     for cid in strategy.client_ids:
         sent, again = strategy.payload_for(cid), restored.payload_for(cid)
         assert sorted(sent) == sorted(again)
@@ -123,13 +122,14 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     # ---- 3. restart (fresh client contexts, server resumed) == uninterrupted
     resumed, _, _ = _federate(_run_config(name, extra, tmp_path, "restarted", 2, resume=run_dir), 2)
     straight, _, _ = _federate(_run_config(name, extra, tmp_path, "straight", rounds=2), run_id=3)
-    assert resumed.round_log.failed == {} and resumed.round_log.rejected == {}
+    resumed_last, straight_last = _records(run_dir)[-1], _records(tmp_path / "straight")[-1]
+    assert resumed_last["failed"] == {} and resumed_last["rejected"] == {}
     for cid in straight.client_ids:
         for metric in ("accuracy", "val_accuracy"):
-            assert resumed.last_eval[cid][metric] == straight.last_eval[cid][metric], (cid, metric)
-    for group, arrays in straight.state_arrays().items():
+            assert resumed_last["clients"][cid][metric] == straight_last["clients"][cid][metric], (cid, metric)
+    for group, arrays in straight.state()[0].items():
         for k, v in arrays.items():
-            np.testing.assert_array_equal(resumed.state_arrays()[group][k], v, err_msg=f"{group}/{k}")
+            np.testing.assert_array_equal(resumed.state()[0][group][k], v, err_msg=f"{group}/{k}")
 
     # ---- 4. evaluation in the next round's training messages == evaluate messages
     separate, sep_clients, _ = _federate(_run_config(name, [*extra, "eval_in_train=false"], tmp_path, "separate",

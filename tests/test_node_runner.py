@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from common.flower_waits import shorten_object_pull_backoff
+from common.flower_compat import capped_time, object_pull_backoff, shorten_object_pull_backoff
 from ops import node_runner
-from ops.supernode import capped_time, split_poll_interval, use_runner
+from ops.supernode import split_poll_interval, use_runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,16 +172,13 @@ def test_capped_time_shortens_sleeps_only() -> None:
 
 
 def test_object_pull_back_off_starts_short_in_this_flower() -> None:
-    from flwr.supercore.inflatable import inflatable_utils
-
-    before = dict(inflatable_utils.pull_objects.__kwdefaults__)
+    (initial, cap), *_ = object_pull_backoff()
     try:
         assert shorten_object_pull_backoff(0.05, 2.0)   # False would mean Flower changed its API
-        for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
-            assert fn.__kwdefaults__["initial_backoff"] == 0.05 and fn.__kwdefaults__["backoff_cap"] == 2.0
+        assert object_pull_backoff() == [(0.05, 2.0), (0.05, 2.0)]
     finally:
-        for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
-            fn.__kwdefaults__.update(initial_backoff=before["initial_backoff"], backoff_cap=before["backoff_cap"])
+        assert shorten_object_pull_backoff(initial, cap)
+    assert object_pull_backoff() == [(initial, cap), (initial, cap)]
 
 
 def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:

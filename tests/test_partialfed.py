@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import pflower
+from helpers import pflower
 from torch import nn
 
 from client.partialfed import (

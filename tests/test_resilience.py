@@ -17,14 +17,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FakeGrid, pflower_popen
 from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
-from flwr.superlink.grid.http_grid import HttpGrid
+from helpers import FakeGrid, make_strategy, pflower_popen
 
 from client.state import ClientStateStore
+from common.flower_compat import HttpGrid, send_and_receive
 from common.protocol import from_record, make_reply, to_record
 from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 from server.checkpoint import (
@@ -39,7 +40,7 @@ from strategies.base import (
     ClientUpdate,
     PersonalizedStrategy,
     RoundFailedError,
-    send_and_receive,
+    RoundLog,
     validate_arrays,
 )
 
@@ -83,15 +84,13 @@ class PersonalMean(PersonalizedStrategy):
             self.personal[cid] = {"b": mean_b.copy()}
 
 
-def strategy(cls: type[PersonalizedStrategy] = PersonalizedStrategy, n: int = 4, **kw: object) -> PersonalizedStrategy:
-    kw.setdefault("min_train_clients", 2)
-    kw.setdefault("wait_for_clients", 1.0)
-    return cls(initial_arrays=dict(REF), client_ids=[str(i) for i in range(n)], **kw)  # type: ignore[arg-type]
+def strategy(cls: type[PersonalizedStrategy] = PersonalizedStrategy, n: int = 4, **kw: Any) -> PersonalizedStrategy:
+    return make_strategy(cls, dict(REF), [str(i) for i in range(n)], **kw)
 
 
-def run_round(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> None:
+def run_round(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> RoundLog:
     msgs = list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
-    st.aggregate_train(rnd, grid.send_and_receive(msgs, timeout=5.0))
+    return st.aggregate_round(rnd, grid.send_and_receive(msgs, timeout=5.0)).log
 
 
 # ---------------------------------------------------------------- misbehaving updates
@@ -116,8 +115,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_not_aggregated(caplog: pyt
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0, n=10), "1": upload(4.0, n=30),
                                             "2": nan, "3": upload(9.0, shape=(2, 3))}))
     with caplog.at_level("WARNING"):
-        run_round(st, grid)
-    log = st.round_log
+        log = run_round(st, grid)
     assert set(log.rejected) == {"2", "3"} and not log.failed
     assert "NaN" in log.rejected["2"] and "shape (2, 3)" in log.rejected["3"]
     assert "rejected the update of client 2" in caplog.text and "rejected the update of client 3" in caplog.text
@@ -131,8 +129,8 @@ def test_norm_bound_rejects_large_updates() -> None:
     st = strategy(norm_bound=5.0)
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": upload(1.0),
                                             "3": upload(100.0)}))
-    run_round(st, grid)
-    assert list(st.round_log.rejected) == ["3"] and "exceeds the bound" in st.round_log.rejected["3"]
+    log = run_round(st, grid)
+    assert list(log.rejected) == ["3"] and "exceeds the bound" in log.rejected["3"]
     np.testing.assert_allclose(st.global_arrays["w"], 1.0)
 
 
@@ -145,19 +143,19 @@ def test_failed_client_round_completes_and_its_personal_state_is_unchanged() -> 
     np.testing.assert_allclose(before["1"]["b"], 2.0)
     # round 2: client 1 raises, the others upload new values
     grid.handler = clients({"0": upload(5.0), "1": error, "2": upload(7.0)})
-    run_round(st, grid, 2)
-    assert list(st.round_log.failed) == ["1"] and "injected fault" in st.round_log.failed["1"]
+    log = run_round(st, grid, 2)
+    assert list(log.failed) == ["1"] and "injected fault" in log.failed["1"]
     np.testing.assert_allclose(st.global_arrays["w"], 6.0)          # mean of clients 0 and 2
     np.testing.assert_allclose(st.personal["0"]["b"], 6.0)          # updated
     np.testing.assert_array_equal(st.personal["1"]["b"], before["1"]["b"])  # unchanged
 
 
 def test_too_few_replies_fail_the_round_naming_the_missing_clients() -> None:
-    st = strategy(n=3, min_train_clients=3, cfg={"round_timeout": 7.0})
+    st = strategy(n=3, min_train_clients=3, round_timeout=7.0)
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": error, "2": lambda c, m: None}))
     msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
     with pytest.raises(RoundFailedError) as err:
-        st.aggregate_train(1, grid.send_and_receive(msgs, timeout=7.0))
+        st.aggregate_round(1, grid.send_and_receive(msgs, timeout=7.0))
     text = str(err.value)
     assert "only 1 valid replies" in text and "min_train_clients=3" in text
     assert "1 (client error: RuntimeError: injected fault)" in text
@@ -167,7 +165,7 @@ def test_too_few_replies_fail_the_round_naming_the_missing_clients() -> None:
 
 
 def test_a_real_timeout_is_reported_as_one() -> None:
-    st = strategy(n=3, min_train_clients=3, cfg={"round_timeout": 0.3})
+    st = strategy(n=3, min_train_clients=3, round_timeout=0.3)
 
     def slow_silence(cid: str, msg: Message) -> None:
         time.sleep(0.35)  # the grid waited for the whole round timeout
@@ -176,7 +174,7 @@ def test_a_real_timeout_is_reported_as_one() -> None:
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": slow_silence}))
     msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
     with pytest.raises(RoundFailedError, match=r"2 \(no reply within the round timeout \(0s\)\)"):
-        st.aggregate_train(1, grid.send_and_receive(msgs, timeout=0.3))
+        st.aggregate_round(1, grid.send_and_receive(msgs, timeout=0.3))
 
 
 def test_waiting_for_clients_is_bounded() -> None:
@@ -200,8 +198,8 @@ def test_sampling_is_by_client_id_and_survives_a_checkpoint() -> None:
     first = sampled(a, ga, 1)
     assert first == sampled(b, gb, 1) and len(first) == 4
     resumed = strategy(n=8, fraction_train=0.5, seed=3)
-    resumed.load_state_arrays(a.state_arrays())
-    resumed.load_state_meta(json.loads(json.dumps(a.state_meta())))
+    groups, meta = a.state()
+    resumed.load_state(groups, json.loads(json.dumps(meta)))
     assert sampled(resumed, FakeGrid(a.client_ids, upload(1.0), 777), 2) == sampled(a, ga, 2)
 
 
@@ -213,7 +211,7 @@ def test_personal_arrays_reach_their_client_after_a_resume() -> None:
     run_round(st, grid)
     st.personal["2"] = {"b": np.array([42.0, 43.0], np.float32)}
     resumed = strategy(PersonalMean, n=3)
-    resumed.load_state_arrays(st.state_arrays())
+    resumed.load_state(*st.state())
     new_grid = FakeGrid(st.client_ids, upload(1.0), node_base=98765)
     msgs = list(resumed.configure_train(2, to_record(resumed.global_arrays), ConfigRecord({}), new_grid))
     by_client = {new_grid.client_of[m.metadata.dst_node_id]: m for m in msgs}

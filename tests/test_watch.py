@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FakeGrid
+from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
 from learning.config import compose_config
@@ -145,7 +145,7 @@ def test_pflower_run_in_a_terminal_draws_the_bar_below_the_log(tmp_path: Path) -
     import pty
     import subprocess
 
-    from conftest import REPO
+    from helpers import REPO
 
     leader, follower = pty.openpty()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}

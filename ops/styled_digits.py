@@ -12,7 +12,7 @@ images each) and drawn in 4 styles as 28x28 RGB PNGs under ``<root>/<domain>/<cl
 The tests use it as the "tree the project has not seen" (``dataset=imagefolder``), and it
 is the tree of the FedBN vs FedAvg measurement in the README:
 
-    python3 tests/styled_digits.py /tmp/my-digits
+    python3 -m ops.styled_digits /tmp/my-digits
     pflower run dataset=imagefolder dataset.root=/tmp/my-digits strategy=fedbn
 """
 

@@ -1,0 +1,267 @@
+"""Every use of Flower 1.39's internals, in one place, behind one version check.
+
+pflower uses Flower's public API (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``,
+``flwr.simulation``) everywhere else. What the public API does not offer, and a deployment
+needs, is done here; each item names Flower's file it depends on and why it is needed.
+Another Flower minor release may move or change any of them, so :func:`check_flower_version`
+refuses to start on one (``pflower`` calls it before starting anything); the project pins
+``flwr>=1.39,<1.40`` for the same reason.
+
+1. :func:`send_and_receive`: replies pulled every 0.1 s from a deployment's grid
+   (``flwr/superlink/grid/http_grid.py`` sleeps 3 s between pulls).
+2. :func:`shorten_object_pull_backoff`: arrays pulled with a 0.05 s first back-off, not 1 s
+   (``flwr/supercore/inflatable/inflatable_utils.py``).
+3. :func:`lengthen_task_heartbeat_ttl`: a busy task may miss heartbeats for 10 minutes, not
+   60 s (``flwr/supercore/corestate/*_corestate.py``).
+4. :func:`run_supernode`: the SuperNode's idle sleeps capped at the poll interval
+   (``flwr/supernode/start_client_internal.py`` sleeps 3 s).
+5. :func:`run_superlink`: Flower's SuperLink entry point with item 3 applied.
+6. :func:`run_clientapp_task`: what ``flwr-clientapp`` does for one task, in a long-lived
+   process (``flwr/supernode/runtime/run_clientapp.py``, ``flwr/supernode/cli/flwr_clientapp.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from importlib import metadata
+from logging import ERROR, WARNING
+from types import SimpleNamespace
+from typing import Any
+
+FLOWER_SERIES = "1.39"   # the Flower minor release these patches are written for
+
+
+class FlowerVersionError(RuntimeError):
+    """The installed Flower is not the release pflower's patches to its internals were written for."""
+
+
+def installed_flower_version() -> str:
+    try:
+        return metadata.version("flwr")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def check_flower_version(installed: str | None = None) -> None:
+    """Refuse to run on a Flower other than ``FLOWER_SERIES``.x, naming the fix."""
+    version = installed if installed is not None else installed_flower_version()
+    if version.split(".")[:2] != FLOWER_SERIES.split("."):
+        raise FlowerVersionError(
+            f"pflower needs Flower {FLOWER_SERIES}.x (it adapts Flower's internals in "
+            f"common/flower_compat.py for that release); installed: flwr {version}. "
+            f"Install it with: python3 -m pip install 'flwr[simulation]>={FLOWER_SERIES},<1.40'")
+
+
+# ---------------------------------------------------------------------- 1. the server's grid
+try:
+    from flwr.superlink.grid.http_grid import HttpGrid
+except ImportError:  # pragma: no cover - another Flower release; check_flower_version says so
+    HttpGrid = None  # type: ignore[assignment,misc]
+
+REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLink
+
+
+def is_deployment_grid(grid: Any) -> bool:
+    """A deployment's grid (its nodes are separate machines, one client each); otherwise the
+    simulation's grid (or a test's), whose nodes may serve several clients."""
+    return HttpGrid is not None and isinstance(grid, HttpGrid)
+
+
+def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float) -> list[Any]:
+    """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds.
+
+    Flower 1.39's ``HttpGrid`` (the ServerApp's grid in a deployment) sleeps 3 s between
+    two pulls, which rounds every exchange up to a multiple of 3 s: a round whose clients
+    answer in 7 s waited 9 s for train and again for evaluate. ``InMemoryGrid`` (the
+    simulation) already pulls every 0.1 s, and test grids answer at once; they keep their
+    own method. Same contract: replies that arrived before ``timeout``, in arrival order."""
+    if not is_deployment_grid(grid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    waiting = set(grid.push_messages(messages))
+    replies: list[Any] = []
+    end = time.monotonic() + timeout
+    while waiting:
+        arrived = list(grid.pull_messages(waiting))
+        replies.extend(arrived)
+        waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
+        if not waiting or time.monotonic() >= end:
+            break
+        time.sleep(REPLY_POLL_S)
+    return replies
+
+
+# ---------------------------------------------------------------------- 2. object pulls
+# A message's arrays travel as objects. A process that asks for an object before its sender
+# has pushed it waits PULL_INITIAL_BACKOFF = 1 s, then 2, 4, ... up to 10 s
+# (flwr/supercore/constant.py). In a deployment the SuperNode asks the SuperLink for the
+# objects right after it sees a message, and the ClientApp asks the SuperNode right after its
+# task starts, so a round paid 1-3 s of back-off on each hop while the objects were a few
+# milliseconds away. With Flower's 500 tries per object a transfer still waits about 1,000 s
+# before it fails.
+INITIAL_BACKOFF_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+
+def _pull_functions() -> tuple[Callable[..., Any], ...]:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    return (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+
+
+def object_pull_backoff() -> list[tuple[float, float]]:
+    """(initial back-off, cap) of each of Flower's object-pull functions in this process."""
+    return [(f.__kwdefaults__["initial_backoff"], f.__kwdefaults__["backoff_cap"]) for f in _pull_functions()]
+
+
+def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float = BACKOFF_CAP_S) -> bool:
+    """Set the default back-off of Flower's object pulls in this process; False (and a
+    warning) when this Flower has no such defaults (its transfer code changed)."""
+    from flwr.common.logger import log
+
+    functions = _pull_functions()
+    if not all({"initial_backoff", "backoff_cap"} <= set(f.__kwdefaults__ or {}) for f in functions):
+        log(WARNING, "pflower: this Flower's object pulls take no back-off defaults; keeping its own waits")
+        return False
+    for function in functions:
+        function.__kwdefaults__.update(initial_backoff=initial, backoff_cap=cap)
+    return True
+
+
+# ---------------------------------------------------------------------- 3. task heartbeats
+# A Flower 1.39 task (the simulation process, a ServerApp or ClientApp process) is declared
+# dead when its heartbeats stop for HEARTBEAT_PATIENCE x HEARTBEAT_DEFAULT_INTERVAL = 2 x 30 s
+# (flwr/supercore/corestate/sql_corestate.py and in_memory_corestate.py: activate_task,
+# acknowledge_task_heartbeat); the SuperLink then fails the run and the simulation ends at its
+# next heartbeat. A heartbeat is a small HTTP call from a thread of the task's process, every
+# 17.5-22.5 s; a process that cannot make one for 60 s (paused, starved on a loaded machine,
+# or a SuperLink that cannot answer) loses a run of hours. pflower watches its processes
+# itself (a simulation that exits is noticed within seconds, ops/cli.py), so the SuperLink
+# may wait far longer.
+TASK_HEARTBEAT_TTL_S = 600.0
+
+
+def lengthen_task_heartbeat_ttl(ttl_s: float = TASK_HEARTBEAT_TTL_S) -> bool:
+    """Let a task miss heartbeats for ``ttl_s`` seconds before it is failed, in this process
+    (a SuperLink or SuperNode). Node heartbeats (a SuperNode's liveness) are not changed.
+    False (and a warning) when this Flower's task state has no such constants."""
+    from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL
+    from flwr.common.logger import log
+
+    try:
+        from flwr.supercore.corestate import in_memory_corestate, sql_corestate
+    except ImportError:
+        log(WARNING, "pflower: this Flower has no task heartbeat state; keeping its own timeout")
+        return False
+    modules = (in_memory_corestate, sql_corestate)
+    if not all(isinstance(getattr(m, "HEARTBEAT_PATIENCE", None), int) for m in modules):
+        log(WARNING, "pflower: this Flower's task heartbeats changed; keeping its own timeout")
+        return False
+    patience = max(2, int(round(ttl_s / HEARTBEAT_DEFAULT_INTERVAL)))
+    for module in modules:
+        module.HEARTBEAT_PATIENCE = patience   # type: ignore[attr-defined]
+    return True
+
+
+# ---------------------------------------------------------------------- 4-5. entry points
+def capped_time(cap: float) -> SimpleNamespace:
+    """The ``time`` module as the SuperNode loop sees it: every sleep at most ``cap`` s."""
+    namespace = SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("__")})
+    namespace.sleep = lambda seconds: time.sleep(min(float(seconds), cap))
+    return namespace
+
+
+def run_supernode(argv: list[str], poll_interval: float) -> None:
+    """Flower's ``flower-supernode argv`` whose idle sleeps last at most ``poll_interval``.
+
+    Flower 1.39's SuperNode sleeps 3 s when the SuperLink has no message for it and looks for
+    a ClientApp's reply every 0.5 s (flwr/supernode/start_client_internal.py, both
+    hard-coded); only that module's ``time`` is replaced. Items 2 and 3 are applied too."""
+    import sys
+
+    import flwr.supernode.start_client_internal as loop
+    from flwr.supernode.cli import flower_supernode
+
+    loop.time = capped_time(poll_interval)   # type: ignore[attr-defined]
+    shorten_object_pull_backoff()
+    lengthen_task_heartbeat_ttl()
+    sys.argv = ["flower-supernode", *argv]
+    flower_supernode()
+
+
+def run_superlink(argv: list[str]) -> None:
+    """Flower's ``flower-superlink argv`` whose tasks may miss heartbeats for 10 minutes."""
+    import sys
+
+    from flwr.superlink.cli import flower_superlink
+
+    lengthen_task_heartbeat_ttl()
+    sys.argv = ["flower-superlink", *argv]
+    flower_superlink()
+
+
+# ---------------------------------------------------------------------- 6. one ClientApp task
+def run_clientapp_task(argv: list[str], handle: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+                       lock: AbstractContextManager[Any] | None = None) -> int:
+    """What ``flwr-clientapp <argv>`` does for one task (``run_clientapp`` in
+    flwr/supernode/runtime/run_clientapp.py), in the calling process: pull the task's message,
+    context, run and FAB, ``handle(message, context, run, fab) -> (reply, context)``, push the
+    reply and the task's outcome, with Flower's heartbeats meanwhile (also while waiting for
+    ``lock``, held from the pull to the reply: Flower's task identity is per process, one task
+    at a time). Returns the exit code
+    ``flwr-clientapp`` would have (0 done, 1 failed)."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.args import try_obtain_flwr_app_token
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.common.logger import log
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.cli.flwr_clientapp import _parse_args_run_flwr_clientapp
+    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+    args = _parse_args_run_flwr_clientapp().parse_args(argv)
+    retry_invoker = make_simple_http_retry_invoker()
+    client = RuntimeHttpClient.from_server_address(
+        server_address=args.runtime_api_address, insecure=args.insecure,
+        root_certificates=validate_and_resolve_root_certificates(args.root_certificates, args.insecure),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(try_obtain_flwr_app_token(args))],
+        retry_invoker=retry_invoker)
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    heartbeat.start()
+    message = reply = context = None
+    sub_status, details, code = SubStatus.FAILED, "ClientApp task failed due to unknown reason", 0
+    try:
+        with lock or nullcontext():
+            try:
+                message, context, run, fab = pull_task_input(client)
+                reply, context = handle(message, context, run, fab)
+                sub_status, details = SubStatus.COMPLETED, ""
+            except Exception as ex:
+                reason = f"{type(ex)}:<'{ex}'>"
+                log(ERROR, "ClientApp raised an exception", exc_info=ex)
+                details, code = reason, 1
+                if message is not None:
+                    reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                                    reply_to=message)
+            if reply is not None and context is not None:
+                try:
+                    push_message(client, reply, context)
+                except Exception as ex:
+                    log(ERROR, "Failed to push reply message", exc_info=ex)
+                    code = 1
+    finally:
+        retry_invoker.max_tries = 1
+        push_task_output(client=client, context=context, sub_status=sub_status, details=details)
+        if heartbeat.is_running:
+            heartbeat.stop()
+        client.close()
+    return code

@@ -1,0 +1,260 @@
+"""Clients' replies into validated updates and evaluations: pure functions of the replies.
+
+What the server accepts from a client is decided here, once for every method: a train reply
+becomes a :class:`ClientUpdate` when its client id matches the message it answers, its
+arrays are known model tensors of the right shape and dtype, finite, within the optional
+norm bound, and respect the method's parameter roles (``check_upload``); everything else is
+recorded in the round's :class:`RoundLog` (``failed``: the client erred or never answered;
+``rejected``: it answered with something unusable). Nothing here keeps state: the strategy
+passes what it sent and how to name a reply's client, and gets the round back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+
+import numpy as np
+from flwr.app import Message
+from flwr.common.logger import log
+
+from common.protocol import (
+    ARRAYS_KEY,
+    EVAL_METRICS_KEY,
+    METRICS_KEY,
+    NUM_EXAMPLES,
+    NUM_VAL_EXAMPLES,
+    client_sort_key,
+    decode_client_id,
+    from_record,
+)
+from learning.params import NDArrays, num_bytes
+
+
+class RoundFailedError(RuntimeError):
+    """Too few clients replied in a round; the message names the missing ones."""
+
+
+@dataclass
+class ClientUpdate:
+    """One client's validated reply."""
+
+    client_id: str
+    node_id: int
+    arrays: NDArrays
+    num_examples: int
+    metrics: dict[str, float]
+    extra: dict[str, NDArrays] = field(default_factory=dict)
+
+
+@dataclass
+class RoundLog:
+    """What happened in one round's communication (goes into metrics.jsonl)."""
+
+    sampled: list[str] = field(default_factory=list)
+    replied: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)   # client or node -> reason
+    rejected: dict[str, str] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    nodes: dict[int, str] = field(default_factory=dict)    # node id -> the client it answered for
+
+
+@dataclass
+class Evaluation:
+    """One round's evaluation: each client's metrics (ordered by client id, so that float
+    sums reproduce bit for bit, also on resume), the clients that failed and why, and the
+    node each reply came from."""
+
+    per_client: dict[str, dict[str, float]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    nodes: dict[int, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float] | None:
+        """Mean, worst and spread over clients (:func:`summarise_clients`); None if nobody answered."""
+        return summarise_clients(self.per_client) if self.per_client else None
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """A client error for the metrics: no ANSI colours, no traceback, the message only."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(reason))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+    msg = next((ln.split("Message:", 1)[1].strip() for ln in reversed(lines) if "Message:" in ln), "")
+    if not msg:
+        msg = lines[-1] if lines else text
+    return msg.strip(" '>\"")[:limit]
+
+
+def conform_scalars(arrays: NDArrays, reference: Mapping[str, np.ndarray]) -> NDArrays:
+    """Flower ships 0-d arrays (e.g. BN's num_batches_tracked) as shape (1,): restore them."""
+    return {k: (a.reshape(()) if k in reference and reference[k].ndim == 0 and a.shape == (1,) else a)
+            for k, a in arrays.items()}
+
+
+def validate_arrays(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                    norm_bound: float = 0.0, base: Mapping[str, np.ndarray] | None = None) -> str | None:
+    """Return why an uploaded set of arrays is unacceptable, or None if it is fine.
+
+    Checks: every name is a known model tensor, shapes and dtypes match, values are finite,
+    and (if ``norm_bound`` > 0) the update's L2 norm against ``base`` is within the bound.
+    """
+    unknown = [k for k in arrays if k not in reference]
+    if unknown:
+        return f"unknown array names {unknown[:3]}"
+    for k, a in arrays.items():
+        ref = reference[k]
+        if a.shape != ref.shape:
+            return f"array {k!r} has shape {a.shape}, expected {ref.shape}"
+        if a.dtype != ref.dtype:
+            return f"array {k!r} has dtype {a.dtype}, expected {ref.dtype}"
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+            return f"array {k!r} contains NaN or Inf"
+    if norm_bound > 0 and base is not None:
+        sq = sum(float(np.sum((a.astype(np.float64) - base[k]) ** 2)) for k, a in arrays.items()
+                 if k in base and np.issubdtype(a.dtype, np.floating))
+        if np.sqrt(sq) > norm_bound:
+            return f"update norm {np.sqrt(sq):.3g} exceeds the bound {norm_bound:.3g}"
+    return None
+
+
+def _metrics_of(msg: Message, *keys: str) -> dict[str, float]:
+    """The first of ``keys``' metric records in a reply, as a dict (empty if none)."""
+    for key in keys:
+        rec = msg.content.metric_records.get(key)
+        if rec is not None:
+            return dict(rec.items())
+    return {}
+
+
+def parse_train_replies(
+    replies: Iterable[Message],
+    sent: Mapping[str, NDArrays],
+    sender_of: Callable[[Message], str],
+    reference: Mapping[str, np.ndarray],
+    *,
+    norm_bound: float = 0.0,
+    check_upload: Callable[[Mapping[str, np.ndarray]], str | None] = lambda arrays: None,
+    no_reply_reason: Callable[[], str] = lambda: "no reply",
+) -> tuple[list[ClientUpdate], RoundLog]:
+    """Validate a round's train replies into ClientUpdates, and the round's log.
+
+    Parameters
+    ----------
+    replies : the replies that arrived, in any order.
+    sent : client id -> the payload of its train message, in sampling order (the log's
+        ``sampled`` and ``bytes_down``, and the base of the norm bound).
+    sender_of : the client a reply answers for (also an error reply, which names none).
+    reference : the model's tensors (names, shapes, dtypes an upload must have).
+    norm_bound : reject an update whose L2 distance from its payload exceeds this (0: off).
+    check_upload : why an upload breaks the method's parameter roles, or None.
+    no_reply_reason : why a client that was sent a message did not answer.
+
+    Returns
+    -------
+    The valid updates ordered by client id (a fixed order keeps float sums reproducible,
+    whatever the arrival order), and the round's :class:`RoundLog`.
+    """
+    round_log = RoundLog(sampled=list(sent), bytes_down={c: num_bytes(p) for c, p in sent.items()})
+    updates: list[ClientUpdate] = []
+    answered: set[str] = set()
+    for msg in replies:
+        node, target = msg.metadata.src_node_id, sender_of(msg)
+        answered.add(target)
+        if msg.has_error():
+            round_log.failed[target] = f"client error: {short_reason(msg.error.reason)}"
+            log(WARNING, "client %s failed: %s", target, round_log.failed[target])
+            continue
+        metrics = _metrics_of(msg, METRICS_KEY)
+        try:
+            cid = decode_client_id(metrics)
+        except (KeyError, ValueError) as err:
+            round_log.rejected[target] = str(err)
+            continue
+        if cid != target and not target.startswith("node-"):
+            round_log.rejected[target] = f"the reply to client {target}'s message is for client {cid}"
+            log(WARNING, "rejected a reply: %s", round_log.rejected[target])
+            continue
+        round_log.nodes.setdefault(node, cid)
+        arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), reference)
+        reason = validate_arrays(arrays, reference, norm_bound, sent.get(target)) or check_upload(arrays)
+        extra = {k: from_record(v) for k, v in msg.content.array_records.items() if k != ARRAYS_KEY}
+        bad = [f"{rk}/{k}" for rk, rec in extra.items() for k, a in rec.items()
+               if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a))]
+        reason = reason or (f"array {bad[0]!r} contains NaN or Inf" if bad else None)
+        if reason is not None:
+            round_log.rejected[cid] = reason
+            log(WARNING, "rejected the update of client %s: %s", cid, reason)
+            continue
+        updates.append(ClientUpdate(client_id=cid, node_id=node, arrays=arrays,
+                                    num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
+                                    metrics={k: float(v) for k, v in metrics.items()}, extra=extra))
+        round_log.replied.append(cid)
+        round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
+    for target in sent:
+        if target not in answered:
+            round_log.failed[target] = no_reply_reason()
+            log(WARNING, "client %s: %s", target, round_log.failed[target])
+    updates.sort(key=lambda u: client_sort_key(u.client_id))
+    return updates, round_log
+
+
+def parse_evaluation_replies(replies: Iterable[Message], asked: Iterable[str],
+                             sender_of: Callable[[Message], str],
+                             no_reply_reason: Callable[[], str] = lambda: "no reply") -> Evaluation:
+    """A round's evaluation from its replies: evaluate replies, or train replies carrying
+    the evaluation (``EVAL_METRICS_KEY``, ``eval_in_train``); ``asked`` = every client the
+    evaluation counted on (those that did not answer are failed with ``no_reply_reason``)."""
+    evaluation = Evaluation()
+    answered: set[str] = set()
+    for msg in replies:
+        target = sender_of(msg)
+        answered.add(target)
+        if msg.has_error():
+            evaluation.failed[target] = short_reason(msg.error.reason)
+            continue
+        metrics = _metrics_of(msg, EVAL_METRICS_KEY, METRICS_KEY)
+        try:
+            cid = decode_client_id(metrics)
+        except (KeyError, ValueError) as err:
+            evaluation.failed[target] = f"unusable reply: {err}"
+            continue
+        evaluation.nodes.setdefault(msg.metadata.src_node_id, cid)
+        evaluation.per_client[cid] = {k: float(v) for k, v in metrics.items()}
+    for target in asked:
+        if target not in answered:
+            evaluation.failed[target] = no_reply_reason()
+    evaluation.per_client = dict(sorted(evaluation.per_client.items(), key=lambda kv: client_sort_key(kv[0])))
+    return evaluation
+
+
+def mean_train_metrics(updates: list[ClientUpdate]) -> dict[str, float]:
+    """Sample-weighted mean over the round's clients of every train metric all reported,
+    and the number of clients (``clients``)."""
+    weights = np.array([u.num_examples for u in updates], dtype=np.float64)
+    keys = set.intersection(*(set(u.metrics) for u in updates)) - {NUM_EXAMPLES}
+    out = {k: float(np.average([u.metrics[k] for u in updates], weights=weights))
+           for k in sorted(keys) if not k.startswith(("client-index", "new-client-index"))}
+    out["clients"] = float(len(updates))
+    return out
+
+
+def summarise_clients(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Mean, min and std over clients of every metric all clients reported, and the
+    sample-weighted validation accuracy ``val_accuracy_weighted`` = sum_k a_k n_k / sum_k n_k
+    (n_k = client k's validation size), the quantity flgo-based code (FDSE's) selects the
+    best round on."""
+    keys = set.intersection(*(set(m) for m in per_client.values()))
+    out: dict[str, float] = {"clients": float(len(per_client))}
+    for k in sorted(keys):
+        if k in (NUM_EXAMPLES, NUM_VAL_EXAMPLES, "client-index", "new-client-index"):
+            continue
+        vals = np.array([m[k] for m in per_client.values()], dtype=np.float64)
+        out[f"{k}_mean"], out[f"{k}_min"], out[f"{k}_std"] = float(vals.mean()), float(vals.min()), float(vals.std())
+    if {"val_accuracy", NUM_VAL_EXAMPLES} <= keys:
+        sizes = np.array([m[NUM_VAL_EXAMPLES] for m in per_client.values()], dtype=np.float64)
+        accs = np.array([m["val_accuracy"] for m in per_client.values()], dtype=np.float64)
+        if sizes.sum() > 0:
+            out["val_accuracy_weighted"] = float((accs * sizes).sum() / sizes.sum())
+    return out
