@@ -18,8 +18,8 @@ import time
 
 def main(argv: list[str]) -> None:
     from client.trainer import ClientRound
+    from common.config import compose_config
     from common.methods import build_method_model, trainer_class
-    from learning.config import compose_config
     from learning.data import load_federated_data
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean

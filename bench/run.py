@@ -204,7 +204,7 @@ def bench_bytes(methods: list[str]) -> str:
     from flwr.supercore.task_identity import TaskIdentity
 
     from client import app as client_app
-    from learning.config import compose_config
+    from common.config import compose_config
     from learning.data import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation

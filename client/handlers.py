@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
 from client.trainer import ClientRound
+from common.config import compose_config
 from common.methods import trainer_class
 from common.protocol import (
     ARRAYS_KEY,
@@ -31,7 +32,6 @@ from common.protocol import (
     make_reply,
     to_record,
 )
-from learning.config import compose_config
 from learning.data_cache import load_client_data, resolve_cache_dir
 from learning.models import resolve_device, set_deterministic
 
@@ -60,7 +60,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     # only this client's split, from the on-disk cache after the first process built it
     split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
     run_name = str(server_cfg.get("run-name", cfg.run_name))
-    set_deterministic(bool(cfg.get("deterministic", False)))
+    set_deterministic(bool(cfg.deterministic))
     rnd = ClientRound(
         cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
         input_shape=info.input_shape, device=resolve_device(str(cfg.device)),

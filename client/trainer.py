@@ -133,11 +133,7 @@ class ClientTrainer:
 
     def optim(self, rnd: ClientRound) -> OptimConfig:
         train = self.cfg.train
-        schedule = str(train.lr_schedule)
-        if schedule not in ("exp", "step"):
-            raise ValueError(f"train.lr_schedule must be exp (lr * lr_decay^(round-1)) or step, "
-                             f"got {schedule!r}")
-        if schedule == "step":
+        if str(train.lr_schedule) == "step":   # exp or step, checked at composition
             scale = step_lr_scale(rnd.server_round, int(self.cfg.rounds),
                                   list(train.lr_milestones), float(train.lr_gamma))
         else:
@@ -336,7 +332,7 @@ FINETUNED = "finetuned"   # eval metric: 1 when this evaluation fine-tuned (FT m
 def finetunes_this_round(rnd: ClientRound) -> bool:
     """Fine-tuning is the costly part of an evaluation (5 epochs per client): do it at the
     final evaluation, and every ``finetune.every`` rounds when asked."""
-    every = int(rnd.cfg.finetune.get("every", 0))
+    every = int(rnd.cfg.finetune.every)
     return bool(rnd.config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
 
 

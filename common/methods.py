@@ -114,7 +114,7 @@ def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[C
 
 def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     """The validated options object of the configured strategy (``cfg.strategy``)."""
-    name = str(strategy.get("name", ""))
+    name = str(strategy["name"])
     return read_options(method(name, strategy).options, strategy)
 
 
@@ -155,7 +155,7 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
         torch.manual_seed(seeds[-1])
         return build_model(cfg["model"], input_shape, num_classes)
 
-    row = method(str(cfg["strategy"].get("name", "")), cfg["strategy"])
+    row = method(str(cfg["strategy"]["name"]), cfg["strategy"])
     model = make(0) if not row.wrapper else _load(row.wrapper)(make, method_options(cfg["strategy"]))  # type: ignore[operator]
     _BUILT[key] = (copy.deepcopy(model), seeds[-1], torch.get_rng_state())
     while len(_BUILT) > _BUILT_MAX:
@@ -176,4 +176,4 @@ def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, 
     """``{state-dict key: role}`` of ``model`` under the configured strategy."""
     from common.roles import roles_by_rule
 
-    return roles_by_rule(method(str(strategy.get("name", "")), strategy).roles, model)
+    return roles_by_rule(method(str(strategy["name"]), strategy).roles, model)

@@ -1,9 +1,10 @@
 """One validated options object per method, read by the server and the client alike.
 
 The defaults live in ``conf/strategy/<name>.yaml`` and nowhere else: :func:`read_options`
-requires every field to be present in ``cfg.strategy`` (a missing key names the YAML file
-to fix) and rejects unknown keys (a typo such as ``strategy.muu`` fails before training,
-not silently). Each class checks its own ranges in ``__post_init__``.
+(``learning/typed.py``'s reader) requires every field to be present in ``cfg.strategy`` (a
+missing key names the YAML file to fix) and rejects unknown keys (a typo such as
+``strategy.muu`` fails before training, not silently). Each class checks its own ranges in
+``__post_init__``.
 
 This module deliberately has no ``from __future__ import annotations``: the field types
 are read at run time to convert YAML values.
@@ -11,28 +12,26 @@ are read at run time to convert YAML values.
 
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any
 
+from learning.typed import ConfigKeyError, check, finite, one_of, read_typed
 
-class OptionsError(ValueError):
+
+class OptionsError(ConfigKeyError):
     """A strategy option is missing, unknown or out of range; the message names the fix."""
 
 
 def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise OptionsError(message)
+    check(ok, message, OptionsError)
 
 
 def _one_of(name: str, value: str, valid: tuple[str, ...]) -> None:
-    _check(value in valid, f"strategy.{name} must be one of {', '.join(valid)}, got {value!r}")
+    one_of(f"strategy.{name}", value, valid, OptionsError)
 
 
 def _finite(name: str, value: float, low: float = -math.inf, strict: bool = False) -> None:
-    ok = math.isfinite(value) and (value > low if strict else value >= low)
-    _check(ok, f"strategy.{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
+    finite(f"strategy.{name}", value, low, strict, OptionsError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,40 +215,6 @@ class FedBasisOptions(MethodOptions):
         _one_of("seed_bases", self.seed_bases, ("kmeans", "sample"))
 
 
-def _coerce(name: str, value: Any, typ: Any) -> Any:
-    """Convert a YAML value to the field's type (``int | None`` accepts null)."""
-    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        if value is None:
-            return None
-        for arg in args[:-1]:   # the first member that takes the value (float | str: 2.5, auto)
-            try:
-                return _coerce(name, value, arg)
-            except OptionsError:
-                continue
-        return _coerce(name, value, args[-1])
-    try:
-        if typ is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false"):
-                    raise ValueError(value)
-                return value.lower() == "true"
-            return bool(value)
-        return typ(value)
-    except (TypeError, ValueError) as err:
-        raise OptionsError(f"strategy.{name} must be a {typ.__name__}, got {value!r}") from err
-
-
 def read_options(cls: type[MethodOptions], strategy: Mapping[str, Any]) -> MethodOptions:
     """Build and validate ``cls`` from ``cfg.strategy``: every field required, no unknown keys."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    name = str(strategy.get("name", "?"))
-    missing = [k for k in fields if k not in strategy]
-    if missing:
-        raise OptionsError(f"strategy {name!r} is missing option(s) {', '.join(missing)}; they are "
-                           f"defined in conf/strategy/{name}.yaml (override with strategy.<key>=...)")
-    unknown = sorted(k for k in strategy if k not in fields)
-    if unknown:
-        raise OptionsError(f"unknown option(s) {', '.join('strategy.' + k for k in unknown)} for "
-                           f"strategy {name!r}; valid: {', '.join(sorted(fields))}")
-    return cls(**{k: _coerce(k, strategy[k], f.type) for k, f in fields.items()})
+    return read_typed(cls, strategy, "strategy", "conf/strategy/{name}.yaml", OptionsError)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +31,15 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from learning.partition import (
+    PARTITION_SCHEMES,
     PartitionError,
     partition_indices,
     pflbed_split,
     split_among_domains,
     split_train_val_test,
 )
+from learning.typed import check, finite, one_of, read_typed
 
-SOURCES = ("digits", "mnist5k", "digit-sources", "mnist", "fashion-mnist", "cifar10", "cifar100",
-           "imagefolder")
 # digit-sources: the domains one cross-source digits benchmark can have (see _digit_source)
 DIGIT_SOURCES = ("mnist", "uci-digits", "mnist-m", "colour")
 
@@ -434,7 +434,7 @@ def _load_federated_data_cached(frozen: str, seed: int) -> FederatedData:
 def held_out_domains(dataset_cfg: Mapping[str, Any]) -> set[str]:
     """``dataset.heldout_domains``: domains none of the training clients has (FDSE's
     leave-one-domain-out test): all their clients are held-out new clients."""
-    heldout = {str(d) for d in (dataset_cfg.get("heldout_domains") or [])}
+    heldout = {str(d) for d in dataset_cfg["heldout_domains"]}
     unknown = sorted(heldout - {str(d) for d in dataset_cfg["domains"]})
     if unknown:
         raise DatasetError(f"dataset.heldout_domains {unknown} are not among dataset.domains "
@@ -450,85 +450,139 @@ def num_clients(dataset_cfg: Mapping[str, Any]) -> int:
     return kept * int(dataset_cfg["clients_per_domain"])
 
 
-def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
-    """Build every client's split. Deterministic in (cfg, seed)."""
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
-    domains: list[str] = list(cfg["domains"])
-    root = str(cfg.get("root", "") or "")
-    if source == "imagefolder" and not domains and root and Path(root).is_dir():
-        domains = [p.name for p in subfolders(Path(root))]
-    if not domains:
-        raise DatasetError("dataset.domains is empty; list at least one domain")
-    per_domain = int(cfg["clients_per_domain"])
-    new_per_domain = int(cfg.get("new_clients_per_domain", 0))
-    if per_domain < 1:
-        raise DatasetError(f"dataset.clients_per_domain must be >= 1, got {per_domain}")
-    rng_seed = int(seed) * 1000 + 17
+# ---------------------------------------------------------------------- typed config
+@dataclass(frozen=True)
+class DatasetConfig:
+    """``conf/dataset/<name>.yaml``: every key required (learning/typed.py), checked here."""
 
-    # One pool per domain: (dataset of transformed samples, labels).
-    pools: list[tuple[Dataset, np.ndarray]] = []
-    # global_ids[d][i] = id of pool d's sample i in the source (unique over all domains)
-    global_ids: list[np.ndarray] = []
-    if source == "imagefolder":
-        folders, classes = _imagefolder_domains(
-            str(cfg.get("root", "")), domains, int(cfg.get("image_size", 64))
-        )
-        num_classes = len(classes)
-        size = int(cfg.get("image_size", 64))
-        input_shape = (3, size, size)
-        pools = [(f, f.targets) for f in folders]
-        offsets = np.cumsum([0] + [len(f) for f in folders])
-        global_ids = [np.arange(len(f)) + offsets[d] for d, f in enumerate(folders)]
-    elif source == "digit-sources":
-        num_classes, input_shape = 10, (3, 28, 28)
-        for x, y, ids in _digit_source_pools(domains, rng_seed):
-            pools.append((TensorDataset(_normalise(x), torch.as_tensor(y)), y))
-            global_ids.append(ids)
-    else:
-        if source == "digits":
-            x, y = _load_digits()
-        elif source == "mnist5k":
-            x, y = _load_mnist5k()
-        else:
-            x, y = _load_torchvision(source, str(cfg.get("root", "")))
-        num_classes = int(cfg.get("num_classes", 0)) or int(y.max()) + 1
-        limit = int(cfg.get("max_samples", 0))
-        if limit and limit < len(y):
-            keep = np.sort(np.random.default_rng(rng_seed).permutation(len(y))[:limit])
-            x, y = x[keep], y[keep]
-        if int(cfg.get("image_size", 0)) and int(cfg["image_size"]) != x.shape[-1]:
+    name: str
+    source: str
+    root: str
+    domains: tuple[str, ...]
+    clients_per_domain: int
+    new_clients_per_domain: int
+    heldout_domains: tuple[str, ...]
+    partition: str
+    dirichlet_alpha: float
+    shards_per_client: int
+    val_fraction: float
+    test_fraction: float
+    samples_per_client: int
+    image_size: int
+    split: str
+    augment: str
+    imbalanced_client: int
+    imbalance_factor: int
+
+    def __post_init__(self) -> None:
+        one_of("dataset.source", self.source, tuple(SOURCES), DatasetError)
+        one_of("dataset.partition", self.partition, PARTITION_SCHEMES, DatasetError)
+        one_of("dataset.split", self.split, ("per-client", "pflbed"), DatasetError)
+        one_of("dataset.augment", self.augment, AUGMENTS, DatasetError)
+        check(self.clients_per_domain >= 1, f"dataset.clients_per_domain must be >= 1, got "
+              f"{self.clients_per_domain}", DatasetError)
+        for key in ("new_clients_per_domain", "samples_per_client", "image_size"):
+            check(getattr(self, key) >= 0, f"dataset.{key} must be >= 0, got {getattr(self, key)}", DatasetError)
+        check(self.shards_per_client >= 1, f"dataset.shards_per_client must be >= 1, got "
+              f"{self.shards_per_client}", DatasetError)
+        finite("dataset.dirichlet_alpha", self.dirichlet_alpha, 0.0, strict=True, error=DatasetError)
+        check(0 <= self.val_fraction < 1 and 0 < self.test_fraction < 1
+              and self.val_fraction + self.test_fraction < 1,
+              f"dataset.val_fraction and dataset.test_fraction must be in [0, 1) and (0, 1) with a sum "
+              f"below 1, got {self.val_fraction} and {self.test_fraction}", DatasetError)
+        check(self.imbalance_factor >= 1, f"dataset.imbalance_factor must be >= 1, got {self.imbalance_factor}",
+              DatasetError)
+
+
+def dataset_config(cfg: Mapping[str, Any]) -> DatasetConfig:
+    """The typed dataset config (an unknown, missing or out-of-range key names itself)."""
+    return read_typed(DatasetConfig, cfg, "dataset", "conf/dataset/{name}.yaml", DatasetError)
+
+
+# ---------------------------------------------------------------------- the source registry
+@dataclass
+class Pools:
+    """A source's samples for the configured domains: one (dataset, labels) pool per domain,
+    the ids of each pool's samples in the source (unique over all domains), the classes and
+    the input shape."""
+
+    pools: list[tuple[Dataset, np.ndarray]]
+    global_ids: list[np.ndarray]
+    num_classes: int
+    input_shape: tuple[int, int, int]
+
+
+def _imagefolder_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
+    folders, classes = _imagefolder_domains(cfg.root, domains, cfg.image_size)
+    offsets = np.cumsum([0] + [len(f) for f in folders])
+    return Pools([(f, f.targets) for f in folders], [np.arange(len(f)) + offsets[d] for d, f in enumerate(folders)],
+                 len(classes), (3, cfg.image_size, cfg.image_size))
+
+
+def _digit_sources_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
+    pools, ids = [], []
+    for x, y, sample_ids in _digit_source_pools(domains, rng_seed):
+        pools.append((TensorDataset(_normalise(x), torch.as_tensor(y)), y))
+        ids.append(sample_ids)
+    return Pools(pools, ids, 10, (3, 28, 28))
+
+
+def _array_pools(load: Callable[[DatasetConfig], tuple[torch.Tensor, np.ndarray]],
+                 num_classes: int | None = None) -> Callable[[DatasetConfig, list[str], int], Pools]:
+    """A source of one array of images (N, C, H, W) in [0, 1]: split disjointly among the
+    domains, each domain's share transformed by its domain transform."""
+
+    def pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
+        x, y = load(cfg)
+        if cfg.image_size and cfg.image_size != x.shape[-1]:
             import torch.nn.functional as F
 
-            s = int(cfg["image_size"])
-            x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False)
-        input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
-        share = bool(cfg.get("domains_share_samples", False))
-        domain_idx = (
-            [np.arange(len(y))] * len(domains)
-            if share
-            else split_among_domains(len(y), len(domains), rng_seed)
-        )
-        for d, (name, idx) in enumerate(zip(domains, domain_idx, strict=True)):
+            x = F.interpolate(x, size=(cfg.image_size, cfg.image_size), mode="bilinear", align_corners=False)
+        out, ids = [], []
+        for d, (name, idx) in enumerate(zip(domains, split_among_domains(len(y), len(domains), rng_seed),
+                                            strict=True)):
             xd = apply_domain_transform(x[idx], name, seed=rng_seed + d)
-            pools.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
-            global_ids.append(np.asarray(idx) + (d * len(y) if share else 0))
+            out.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
+            ids.append(np.asarray(idx))
+        return Pools(out, ids, num_classes or int(y.max()) + 1, (int(x.shape[1]), int(x.shape[2]), int(x.shape[3])))
 
-    heldout = held_out_domains(cfg)
-    augment = str(cfg.get("augment", "none"))
-    if augment not in AUGMENTS:
-        raise DatasetError(f"unknown dataset.augment {augment!r}; valid: {', '.join(AUGMENTS)}")
+    return pools
+
+
+SOURCES: dict[str, Callable[[DatasetConfig, list[str], int], Pools]] = {
+    "digits": _array_pools(lambda cfg: _load_digits(), 10),
+    "mnist5k": _array_pools(lambda cfg: _load_mnist5k(), 10),
+    "digit-sources": _digit_sources_pools,
+    "mnist": _array_pools(lambda cfg: _load_torchvision("mnist", cfg.root), 10),
+    "fashion-mnist": _array_pools(lambda cfg: _load_torchvision("fashion-mnist", cfg.root), 10),
+    "cifar10": _array_pools(lambda cfg: _load_torchvision("cifar10", cfg.root), 10),
+    "cifar100": _array_pools(lambda cfg: _load_torchvision("cifar100", cfg.root), 100),
+    "imagefolder": _imagefolder_pools,
+}
+
+
+def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> FederatedData:
+    """Build every client's split. Deterministic in (cfg, seed)."""
+    source = str(dataset_cfg.get("source"))
+    if source not in SOURCES:
+        raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
+    cfg = dataset_config(dataset_cfg)
+    domains: list[str] = list(cfg.domains)
+    if source == "imagefolder" and not domains and cfg.root and Path(cfg.root).is_dir():
+        domains = [p.name for p in subfolders(Path(cfg.root))]
+    if not domains:
+        raise DatasetError("dataset.domains is empty; list at least one domain")
+    per_domain, new_per_domain = cfg.clients_per_domain, cfg.new_clients_per_domain
+    rng_seed = int(seed) * 1000 + 17
+    pools = SOURCES[source](cfg, domains, rng_seed)
+    num_classes = pools.num_classes
+    heldout = held_out_domains(dataset_cfg)
     big, factor = _imbalance(cfg, len(domains) * per_domain)
     clients: dict[str, ClientSplit] = {}
     new_clients: dict[str, ClientSplit] = {}
-    split = str(cfg.get("split", "per-client"))
-    if split not in ("per-client", "pflbed"):
-        raise DatasetError(f"unknown dataset.split {split!r}; valid: per-client (each client's own "
-                           "train/val/test), pflbed (FedBasis' shared, class-balanced test per domain)")
-    for d, (name, (pool, labels)) in enumerate(zip(domains, pools, strict=True)):
+    for d, (name, (pool, labels)) in enumerate(zip(domains, pools.pools, strict=True)):
         try:
-            if split == "pflbed":
+            if cfg.split == "pflbed":
                 splits = _pflbed_splits(cfg, labels, per_domain, new_per_domain, seed=rng_seed + 101 * d,
                                         domain=name)
             else:
@@ -545,29 +599,24 @@ def build_federated_data(cfg: Mapping[str, Any], seed: int) -> FederatedData:
                 cid = f"new-{len(new_clients)}"
                 target = new_clients
             weights = (np.bincount(labels[tr], minlength=num_classes) / max(len(tr), 1)
-                       if split == "pflbed" else None)
+                       if cfg.split == "pflbed" else None)
             train: Dataset = Subset(pool, tr.tolist())
             target[cid] = ClientSplit(
                 client_id=cid,
                 domain=name,
-                train=CropFlip(train) if augment == "crop-flip" else train,
+                train=CropFlip(train) if cfg.augment == "crop-flip" else train,
                 val=Subset(pool, va.tolist()),
                 test=Subset(pool, te.tolist()),
-                train_ids=global_ids[d][tr],
-                val_ids=global_ids[d][va],
-                test_ids=global_ids[d][te],
+                train_ids=pools.global_ids[d][tr],
+                val_ids=pools.global_ids[d][va],
+                test_ids=pools.global_ids[d][te],
                 class_weights=weights,
             )
-    return FederatedData(
-        name=str(cfg.get("name", source)),
-        num_classes=num_classes,
-        input_shape=input_shape,
-        clients=clients,
-        new_clients=new_clients,
-    )
+    return FederatedData(name=cfg.name, num_classes=num_classes, input_shape=pools.input_shape,
+                         clients=clients, new_clients=new_clients)
 
 
-def _per_client_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: int, new_per_domain: int,
+def _per_client_splits(cfg: DatasetConfig, labels: np.ndarray, per_domain: int, new_per_domain: int,
                        big: int, factor: int, rng_seed: int, d: int, name: str
                        ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The default split: the domain across its clients (``partition``), then each client's
@@ -576,14 +625,14 @@ def _per_client_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: i
         parts = partition_indices(
             labels,
             per_domain + new_per_domain,
-            scheme=str(cfg.get("partition", "dirichlet")),
+            scheme=cfg.partition,
             seed=rng_seed + 101 * d,
-            dirichlet_alpha=float(cfg.get("dirichlet_alpha", 0.5)),
-            shards_per_client=int(cfg.get("shards_per_client", 2)),
+            dirichlet_alpha=cfg.dirichlet_alpha,
+            shards_per_client=cfg.shards_per_client,
         )
     except PartitionError as err:
         raise DatasetError(f"domain {name!r}: {err}") from err
-    cap = int(cfg.get("samples_per_client", 0))
+    cap = cfg.samples_per_client
     out = []
     for k, part in enumerate(parts):
         is_big = k < per_domain and d * per_domain + k == big
@@ -592,8 +641,8 @@ def _per_client_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: i
             part = np.sort(np.random.default_rng(rng_seed + 7 * k + d).permutation(part)[:limit])
         tr, va, te = split_train_val_test(
             part,
-            float(cfg.get("val_fraction", 0.15)),
-            float(cfg.get("test_fraction", 0.2)),
+            cfg.val_fraction,
+            cfg.test_fraction,
             seed=rng_seed + 1000 * d + k,
         )
         if big >= 0 and not cap and not is_big:  # others keep 1/factor of their train split
@@ -602,23 +651,22 @@ def _per_client_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: i
     return out
 
 
-def _pflbed_splits(cfg: Mapping[str, Any], labels: np.ndarray, per_domain: int, new_per_domain: int,
+def _pflbed_splits(cfg: DatasetConfig, labels: np.ndarray, per_domain: int, new_per_domain: int,
                    seed: int, domain: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """PFLBED (FedBasis, Sec. 5): every client of the domain, participating then new, with
     its own Dirichlet train split and the domain's shared class-balanced val and test sets."""
-    if str(cfg.get("partition", "dirichlet")) != "dirichlet":
+    if cfg.partition != "dirichlet":
         raise DatasetError("dataset.split=pflbed splits clients by Dirichlet over classes; "
                            "set dataset.partition=dirichlet")
     try:
         trains, news, val, test = pflbed_split(
-            labels, per_domain, new_per_domain, float(cfg.get("val_fraction", 0.05)),
-            float(cfg.get("test_fraction", 0.15)), float(cfg.get("dirichlet_alpha", 0.3)), seed)
+            labels, per_domain, new_per_domain, cfg.val_fraction, cfg.test_fraction, cfg.dirichlet_alpha, seed)
     except PartitionError as err:
         raise DatasetError(f"domain {domain!r}: {err}") from err
     return [(tr, val, test) for tr in [*trains, *news]]
 
 
-def _imbalance(cfg: Mapping[str, Any], num_participating: int) -> tuple[int, int]:
+def _imbalance(cfg: DatasetConfig, num_participating: int) -> tuple[int, int]:
     """(imbalanced_client, imbalance_factor); -1 = balanced (FEDORA's imbalanced setting).
 
     With ``imbalanced_client: i`` (a participating client index) that client gets
@@ -627,8 +675,7 @@ def _imbalance(cfg: Mapping[str, Any], num_participating: int) -> tuple[int, int
     limited by what its partition holds); without a cap, every other client keeps only
     ``1 / imbalance_factor`` of its train split (val and test unchanged).
     """
-    big = int(cfg.get("imbalanced_client", -1))
-    factor = int(cfg.get("imbalance_factor", 1))
+    big, factor = cfg.imbalanced_client, cfg.imbalance_factor
     if big < -1 or big >= num_participating:
         raise DatasetError(
             f"dataset.imbalanced_client={big} is not a participating client index "

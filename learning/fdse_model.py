@@ -52,12 +52,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from learning.backbones import AdaptiveAvgPool2d, resnet18
+from learning.typed import check, finite
 
 __all__ = [
     "DSEConv",
@@ -73,6 +75,8 @@ __all__ = [
     "adaptation_mode",
     "build_fdse_model",
     "FDSE_MODELS",
+    "FDSEAlexNetConfig",
+    "FDSEResNet18Config",
     "SHARED",
     "PERSONAL",
     "LOCAL",
@@ -592,47 +596,63 @@ def adaptation_mode(model: nn.Module, trainable: Iterable[str] = (PERSONAL,)) ->
 FDSE_MODELS = ("fdse-alexnet", "fdse-resnet18")
 
 
-def build_fdse_model(
-    model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int], num_classes: int
-) -> nn.Module:
-    """Build an FDSE model from its ``conf/model/`` entry (called by ``learning.models.build_model``).
+@dataclass(frozen=True)
+class FDSEAlexNetConfig:
+    """``conf/model/fdse-alexnet.yaml``: :class:`FDSEAlexNet`'s options."""
 
-    ``fdse-alexnet``: :class:`FDSEAlexNet` with ``G``, ``width``, ``hidden``, ``dw_size``,
-    ``stem`` (``null`` = by input size), ``pool_size``, ``dse_activation``, ``out_bias``,
-    ``conv_padding`` from the config (defaults = the paper's). ``fdse-resnet18``: the
-    torchvision ResNet-18 of ``learning.models`` (same ``small_input``/``pretrained_path``
-    options) converted with :func:`convert_resnet18_to_fdse` (``G``, ``dw_size``,
-    ``convert_downsample``, ``dse_activation``, ``out_bias``); its head stays shared.
+    name: str
+    G: int
+    width: float
+    hidden: int
+    dw_size: int
+    stem: str | None
+    pool_size: int
+    dse_activation: str
+    out_bias: bool
+    conv_padding: int
+
+    def __post_init__(self) -> None:
+        check(self.G >= 1 and self.dw_size >= 1 and self.hidden >= 1 and self.pool_size >= 1,
+              "model.G, model.dw_size, model.hidden and model.pool_size must be >= 1")
+        finite("model.width", self.width, 0.0, strict=True)
+        check(self.conv_padding >= 0, f"model.conv_padding must be >= 0, got {self.conv_padding}")
+
+
+@dataclass(frozen=True)
+class FDSEResNet18Config:
+    """``conf/model/fdse-resnet18.yaml``: the ResNet-18 and :func:`convert_resnet18_to_fdse`'s options."""
+
+    name: str
+    G: int
+    dw_size: int
+    convert_downsample: bool
+    dse_activation: str
+    out_bias: bool
+    small_input: bool
+    pretrained_path: str
+
+    def __post_init__(self) -> None:
+        check(self.G >= 1 and self.dw_size >= 1, "model.G and model.dw_size must be >= 1")
+
+
+def build_fdse_model(config: FDSEAlexNetConfig | FDSEResNet18Config, input_shape: tuple[int, int, int],
+                     num_classes: int) -> nn.Module:
+    """Build an FDSE model from its typed config (``learning.models.build_model``'s registry).
+
+    ``fdse-alexnet``: :class:`FDSEAlexNet` (``stem`` null = by input size). ``fdse-resnet18``:
+    the torchvision ResNet-18 of ``learning.models`` (same ``small_input``/``pretrained_path``)
+    converted with :func:`convert_resnet18_to_fdse`; its head stays shared.
     """
-    name = str(model_cfg.get("name"))
     c, h, _ = input_shape
-    g = int(model_cfg.get("G", 2))
-    dw = int(model_cfg.get("dw_size", 3))
-    act = str(model_cfg.get("dse_activation", "relu"))
-    out_bias = bool(model_cfg.get("out_bias", False))
-    if name == "fdse-alexnet":
-        stem = model_cfg.get("stem", None)
+    if isinstance(config, FDSEAlexNetConfig):
         return FDSEAlexNet(
-            num_classes,
-            in_channels=c,
-            G=g,
-            width=float(model_cfg.get("width", 1.0)),
-            hidden=int(model_cfg.get("hidden", 1024)),
-            dw_size=dw,
-            stem=None if stem in (None, "", "auto") else str(stem),
-            input_size=h,
-            pool_size=int(model_cfg.get("pool_size", 6)),
-            dse_activation=act,
-            out_bias=out_bias,
-            conv_padding=int(model_cfg.get("conv_padding", 1)),
+            num_classes, in_channels=c, G=config.G, width=config.width, hidden=config.hidden,
+            dw_size=config.dw_size, stem=None if config.stem in (None, "", "auto") else str(config.stem),
+            input_size=h, pool_size=config.pool_size, dse_activation=config.dse_activation,
+            out_bias=config.out_bias, conv_padding=config.conv_padding,
         )
-    if name == "fdse-resnet18":
-        model = resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
-                          bool(model_cfg.get("small_input", True)))
-        convert_resnet18_to_fdse(
-            model.body, G=g, dw_size=dw,
-            convert_downsample=bool(model_cfg.get("convert_downsample", True)),
-            dse_activation=act, out_bias=out_bias,
-        )
-        return model
-    raise ValueError(f"build_fdse_model: unknown FDSE model {name!r}; valid: {', '.join(FDSE_MODELS)}")
+    model = resnet18(c, num_classes, config.pretrained_path, config.small_input)
+    convert_resnet18_to_fdse(model.body, G=config.G, dw_size=config.dw_size,
+                             convert_downsample=config.convert_downsample,
+                             dse_activation=config.dse_activation, out_bias=config.out_bias)
+    return model

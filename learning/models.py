@@ -9,15 +9,15 @@ coarse stages are found by :func:`parameter_groups`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from learning.backbones import AdaptiveAvgPool2d, ModelError, resnet18
-
-MODELS = ("cnn", "cnn4", "mobilenet", "alexnet-bn", "resnet18", "mlp", "fdse-alexnet", "fdse-resnet18")
+from learning.typed import check, finite, read_typed
 
 
 class SmallCNN(nn.Module):
@@ -156,32 +156,120 @@ class MLP(nn.Module):
         return self.head(self.body(x))
 
 
+# ---------------------------------------------------------------------- the model registry
+# One entry per model: its typed config (``conf/model/<name>.yaml`` holds the defaults; every
+# key required, none unknown, see learning/typed.py) and its builder.
+@dataclass(frozen=True)
+class CNNConfig:
+    name: str
+    width: int
+    hidden: int
+
+    def __post_init__(self) -> None:
+        check(self.width >= 1 and self.hidden >= 1, f"model.width and model.hidden must be >= 1, got "
+              f"{self.width}, {self.hidden}")
+
+
+@dataclass(frozen=True)
+class CNN4Config:
+    name: str
+    width: int
+    bn_running_stats: bool
+
+    def __post_init__(self) -> None:
+        check(self.width >= 1, f"model.width must be >= 1, got {self.width}")
+
+
+@dataclass(frozen=True)
+class MobileNetConfig:
+    name: str
+    width_mult: float
+    bn_running_stats: bool
+
+    def __post_init__(self) -> None:
+        finite("model.width_mult", self.width_mult, 0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class AlexNetBNConfig:
+    name: str
+    width: float
+    hidden: int
+
+    def __post_init__(self) -> None:
+        finite("model.width", self.width, 0.0, strict=True)
+        check(self.hidden >= 1, f"model.hidden must be >= 1, got {self.hidden}")
+
+
+@dataclass(frozen=True)
+class ResNet18Config:
+    name: str
+    pretrained_path: str
+    small_input: bool
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    name: str
+    hidden: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check(all(h >= 1 for h in self.hidden), f"model.hidden must be widths >= 1, got {list(self.hidden)}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model: its typed config class and ``build(config, input_shape, num_classes)``."""
+
+    config: type
+    build: Callable[[Any, tuple[int, int, int], int], nn.Module]
+
+
+def _fdse(config: Any, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    from learning.fdse_model import build_fdse_model
+
+    return build_fdse_model(config, input_shape, num_classes)
+
+
+def _fdse_config(name: str) -> type:
+    from learning import fdse_model
+
+    return fdse_model.FDSEAlexNetConfig if name == "fdse-alexnet" else fdse_model.FDSEResNet18Config
+
+
+MODELS: dict[str, ModelSpec] = {
+    "cnn": ModelSpec(CNNConfig, lambda m, s, k: SmallCNN(s[0], k, s[1], m.width, m.hidden)),
+    "cnn4": ModelSpec(CNN4Config, lambda m, s, k: CNN4(s[0], k, s[1], m.width, m.bn_running_stats)),
+    "mobilenet": ModelSpec(MobileNetConfig,
+                           lambda m, s, k: MobileNetCIFAR(s[0], k, s[1], m.width_mult, m.bn_running_stats)),
+    "alexnet-bn": ModelSpec(AlexNetBNConfig, lambda m, s, k: AlexNetBN(s[0], k, s[1], m.width, m.hidden)),
+    "resnet18": ModelSpec(ResNet18Config, lambda m, s, k: resnet18(s[0], k, m.pretrained_path, m.small_input)),
+    "mlp": ModelSpec(MLPConfig, lambda m, s, k: MLP(s[0] * s[1] * s[2], k, list(m.hidden))),
+    "fdse-alexnet": ModelSpec(type(None), _fdse),      # config class resolved lazily (fdse_model)
+    "fdse-resnet18": ModelSpec(type(None), _fdse),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The registry entry of ``name``; an unknown name lists the valid ones."""
+    if name not in MODELS:
+        raise ModelError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def read_model_config(model_cfg: Mapping[str, Any]) -> Any:
+    """The typed config of the configured model (every key of its YAML file, checked)."""
+    name = str(model_cfg.get("name"))
+    spec = model_spec(name)
+    config = spec.config if spec.config is not type(None) else _fdse_config(name)
+    return read_typed(config, model_cfg, "model", "conf/model/{name}.yaml")
+
+
 def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
                 num_classes: int) -> nn.Module:
     """Build the configured model for inputs of ``input_shape`` (C, H, W)."""
-    name = str(model_cfg.get("name"))
-    c, h, w = input_shape
-    if name == "cnn":
-        return SmallCNN(c, num_classes, h, int(model_cfg.get("width", 32)), int(model_cfg.get("hidden", 128)))
-    if name == "cnn4":
-        return CNN4(c, num_classes, h, int(model_cfg.get("width", 64)),
-                    bool(model_cfg.get("bn_running_stats", True)))
-    if name == "mobilenet":
-        return MobileNetCIFAR(c, num_classes, h, float(model_cfg.get("width_mult", 1.0)),
-                              bool(model_cfg.get("bn_running_stats", True)))
-    if name == "alexnet-bn":
-        return AlexNetBN(c, num_classes, h, float(model_cfg.get("width", 1.0)),
-                         int(model_cfg.get("hidden", 4096)))
-    if name == "resnet18":
-        return resnet18(c, num_classes, str(model_cfg.get("pretrained_path", "")),
-                         bool(model_cfg.get("small_input", True)))
-    if name == "mlp":
-        return MLP(c * h * w, num_classes, list(model_cfg.get("hidden", [128, 128])))
-    if name in ("fdse-alexnet", "fdse-resnet18"):
-        from learning.fdse_model import build_fdse_model
-
-        return build_fdse_model(model_cfg, input_shape, num_classes)
-    raise ModelError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    config = read_model_config(model_cfg)
+    return model_spec(config.name).build(config, input_shape, num_classes)
 
 
 def is_head_key(key: str) -> bool:

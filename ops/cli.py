@@ -30,14 +30,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from common.flower_compat import FlowerVersionError, check_flower_version
-from learning.config import (
+from common.config import (
     ConfigError,
     compose_config,
     expand_grid,
     split_overrides,
     to_toml_run_config,
 )
+from common.flower_compat import FlowerVersionError, check_flower_version
 from learning.data import DatasetError, num_clients
 
 
@@ -258,7 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not summary.exists() or summary.stat().st_mtime < started:
         return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
                                        f"{summary}); see the log above")
-    if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.get("new_clients_per_domain", 0)) > 0:
+    if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.new_clients_per_domain) > 0:
         from ops.personalize import personalize_run
 
         settings = cfg.personalize
@@ -469,7 +469,7 @@ def install_signal_handlers() -> None:
 
 def overrides_help() -> str:
     """The keys, strategies, datasets and models a run takes (from conf/, never stale)."""
-    from learning.config import group_options
+    from common.config import group_options
 
     groups = "\n".join(f"  {g:<11} {', '.join(group_options(g))}" for g in ("strategy", "dataset", "model",
                                                                            "experiment"))

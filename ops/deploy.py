@@ -340,7 +340,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from learning.config import (
+    from common.config import (
         ConfigError,
         compose_config,
         expand_grid,
@@ -442,7 +442,7 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
                 args: argparse.Namespace) -> tuple[bool, str]:
     """Submit one run; when the SuperLink exits during it, start the SuperLink again on its
     database and resume the run from its checkpoint (at most ``--max-recoveries`` times)."""
-    from learning.config import split_overrides, to_toml_run_config
+    from common.config import split_overrides, to_toml_run_config
     from ops.progress import run_progress
     from ops.recovery import expand_resume
     from server.checkpoint import checkpoint_round

@@ -30,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Subset
 
 from client.trainer import ClientRound, last_and_best, personalize_curve
+from common.config import compose_config
 from common.methods import trainer_class
 from common.protocol import client_sort_key
-from learning.config import compose_config
 from learning.data import ClientSplit, load_federated_data
 from learning.models import resolve_device
 from learning.training import OptimConfig

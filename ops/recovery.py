@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from learning.config import ConfigError, compose_config, split_overrides
+from common.config import ConfigError, compose_config, split_overrides
 
 # keys that may change when a run is resumed: they do not change what the rounds already
 # done computed (rounds extends the run; the others are how and how long to wait, where

@@ -9,9 +9,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
+from common.config import compose_config, run_config_to_overrides
 from common.flower_compat import check_flower_version, shorten_object_pull_backoff
 from common.methods import build_method_model, strategy_class
-from learning.config import compose_config, run_config_to_overrides
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays

@@ -120,7 +120,7 @@ class RunRecorder:
         self.cfg = cfg
         self.dir = run_dir_of(cfg)
         self.lock = RunFolderLock(self.dir).acquire()
-        overwrite = bool(cfg.get("overwrite", False))
+        overwrite = bool(cfg.overwrite)
         try:
             check_run_folder(self.dir, resume, overwrite)
         except RunFolderError:
@@ -143,7 +143,7 @@ class RunRecorder:
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
         self.tensorboard: TensorBoardLog | None = None   # opened at the first round this attempt writes
         self._last_elapsed = 0.0
-        if bool(cfg.get("tensorboard", True)):
+        if bool(cfg.tensorboard):
             TensorBoardLog.preload()
 
     def close(self) -> None:
@@ -155,7 +155,7 @@ class RunRecorder:
     def _events(self, first_round: int) -> TensorBoardLog | None:
         """The run's TensorBoard log (``tensorboard=true``); events a cut-short attempt wrote
         for ``first_round`` and after are dropped (a resume redoes those rounds)."""
-        if self.tensorboard is None and bool(self.cfg.get("tensorboard", True)):
+        if self.tensorboard is None and bool(self.cfg.tensorboard):
             self.tensorboard = TensorBoardLog(self.dir, purge_from=first_round)
         return self.tensorboard
 
@@ -342,7 +342,7 @@ def best_round_metric(cfg: DictConfig) -> str:
     """The evaluation metric the best round maximises: ``val_accuracy_mean`` (mean over
     clients, the default) or ``val_accuracy_weighted`` (weighted by each client's validation
     size, as flgo-based code such as FDSE's selects; ``best_round_by: weighted``)."""
-    return "val_accuracy_weighted" if str(cfg.get("best_round_by", "mean")) == "weighted" else "val_accuracy_mean"
+    return "val_accuracy_weighted" if str(cfg.best_round_by) == "weighted" else "val_accuracy_mean"
 
 
 def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -26,6 +26,6 @@ def flower_task() -> None:
 
 @pytest.fixture
 def digits_cfg():
-    from learning.config import compose_config
+    from common.config import compose_config
 
     return compose_config({}, ["rounds=2"])

@@ -105,3 +105,11 @@ def make_strategy(cls: type[PersonalizedStrategy], initial_arrays: NDArrays, cli
     ``options`` default to FedAvg's (sample-weighted means)."""
     return cls(initial_arrays=initial_arrays, client_ids=client_ids, run=run_settings(**run),
                options=dict(options or {"name": "fedavg", "weighted": True}), model=model, data=data)
+
+
+def model_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """``conf/model/<name>.yaml`` (every key, as a run composes it) with ``overrides``."""
+    from omegaconf import OmegaConf
+
+    path = REPO / "conf" / "model" / f"{name}.yaml"
+    return {**OmegaConf.to_container(OmegaConf.load(path)), **overrides}  # type: ignore[dict-item]

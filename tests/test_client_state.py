@@ -9,7 +9,7 @@ import torch
 from client.baselines import DittoTrainer, FedBNTrainer, LocalTrainer
 from client.state import ClientStateStore, StateCorruptError
 from client.trainer import ClientRound, ClientTrainer
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import load_federated_data
 from learning.models import build_model, parameter_groups
 from learning.params import get_arrays

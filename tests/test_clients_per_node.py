@@ -16,8 +16,8 @@ from test_method_contract import Clients, _records, _run_config
 
 from client import app as client_app
 from client.identity import client_id_of, serves, serves_several
+from common.config import compose_config
 from common.protocol import CONFIG_KEY, TARGET_CLIENT, make_reply, to_record
-from learning.config import compose_config
 from learning.data import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from learning.config import ConfigError, compose_config, group_options
+from common.config import ConfigError, compose_config, group_options
 from ops import cli, launch
 from server.checkpoint import save_checkpoint
 from server.loop import checkpoint_identity
@@ -36,7 +36,7 @@ def run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
     ("fraction_train=1.5", "fraction_train must be in (0, 1], got 1.5"),
     ("fraction_train=-0.2", "fraction_train must be in (0, 1], got -0.2"),
     ("min_train_clients=0", "min_train_clients must be >= 1"),
-    ("round_timeout=0", "round_timeout must be > 0 seconds"),
+    ("round_timeout=0", "round_timeout must be > 0"),
     ("checkpoint_every=-1", "checkpoint_every must be >= 0"),
     ("norm_bound=-1", "norm_bound must be >= 0"),
     ("train.lr=0", "train.lr must be > 0"),
@@ -129,7 +129,7 @@ def test_resume_uses_the_run_folder(tmp_path: Path) -> None:
 
 
 def test_strategy_that_needs_its_own_model_gets_it_or_a_clear_error():
-    from learning.config import ConfigError, compose_config
+    from common.config import ConfigError, compose_config
 
     assert compose_config({"strategy": "fdse"}).model.name == "fdse-alexnet"
     assert compose_config({"strategy": "fdse", "model": "fdse-resnet18"}).model.name == "fdse-resnet18"

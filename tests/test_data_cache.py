@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import learning.data_cache as data_cache
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import CropFlip, build_federated_data
 from learning.data_cache import cache_key, load_client_data, resolve_cache_dir, tensor_view
 
@@ -35,7 +35,7 @@ def _same_split(a, b) -> None:
 
 @pytest.mark.parametrize("dataset,overrides", [
     ("digits-domains", []),
-    ("digits-domains", ["+dataset.augment=crop-flip", "dataset.new_clients_per_domain=1"]),
+    ("digits-domains", ["dataset.augment=crop-flip", "dataset.new_clients_per_domain=1"]),
     ("digits-domains", ["dataset.split=pflbed"]),
 ])
 def test_a_cached_split_is_the_built_one(tmp_path, monkeypatch, dataset, overrides):

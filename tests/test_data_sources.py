@@ -13,9 +13,10 @@ import torch
 from learning.data import DatasetError, build_federated_data
 
 BASE = {
-    "clients_per_domain": 2, "new_clients_per_domain": 0, "partition": "iid",
+    "clients_per_domain": 2, "new_clients_per_domain": 0, "heldout_domains": [], "partition": "iid",
     "dirichlet_alpha": 0.5, "shards_per_client": 2, "val_fraction": 0.2, "test_fraction": 0.2,
-    "samples_per_client": 0, "image_size": 0,
+    "samples_per_client": 0, "image_size": 0, "split": "per-client", "augment": "none",
+    "imbalanced_client": -1, "imbalance_factor": 1,
 }
 
 
@@ -58,8 +59,7 @@ def test_cifar10_layout(tmp_path, monkeypatch):
         batch = {"data": rng.integers(0, 255, (6, 3072), dtype=np.uint8), "labels": list(range(6))}
         (base / name).write_bytes(pickle.dumps(batch))
     (base / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"c{i}" for i in range(10)]}))
-    cfg = {**BASE, "name": "cifar10", "source": "cifar10", "root": str(tmp_path), "domains": ["original"],
-           "num_classes": 10}
+    cfg = {**BASE, "name": "cifar10", "source": "cifar10", "root": str(tmp_path), "domains": ["original"]}
     data = build_federated_data(cfg, seed=0)
     assert data.input_shape == (3, 32, 32) and data.num_classes == 10
     x, _ = data.clients["0"].train[0]
@@ -80,7 +80,7 @@ def _imagefolder(root: Path, domains: list[str], classes: list[str], per_class: 
 
 @pytest.mark.parametrize("dataset", ["pacs", "office-caltech10", "office-home", "domainnet"])
 def test_imagefolder_layouts(tmp_path, dataset):
-    from learning.config import compose_config
+    from common.config import compose_config
 
     cfg = compose_config({"dataset": dataset}, [f"dataset.root={tmp_path}", "dataset.image_size=16"])
     _imagefolder(tmp_path, list(cfg.dataset.domains), ["dog", "cat", "horse"])
@@ -116,12 +116,12 @@ def test_unknown_source_and_domain_transform():
     with pytest.raises(DatasetError, match="unknown dataset source 'nope'"):
         build_federated_data({**BASE, "source": "nope", "domains": ["original"]}, seed=0)
     with pytest.raises(DatasetError, match="unknown domain transform 'swirl'"):
-        build_federated_data({**BASE, "source": "digits", "domains": ["swirl"]}, seed=0)
+        build_federated_data({**BASE, "name": "d", "root": "", "source": "digits", "domains": ["swirl"]}, seed=0)
 
 
 # ---------------------------------------------------------------- real embedded digits
 def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
-    from learning.config import compose_config
+    from common.config import compose_config
     from learning.data import _load_mnist5k, load_federated_data
 
     x, y = _load_mnist5k()
@@ -146,7 +146,7 @@ def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
 
 
 def test_digit_sources_are_four_real_sources_with_disjoint_mnist():
-    from learning.config import compose_config
+    from common.config import compose_config
     from learning.data import load_federated_data
 
     cfg = compose_config({"dataset": "digits-sources"})
@@ -172,7 +172,7 @@ def test_leave_one_domain_out_makes_a_domain_unseen():
     """FDSE's unseen-domain test: with dataset.heldout_domains=[invert] no training client
     has the domain; all its clients are held-out new clients. Without the option the ids are
     what they always were."""
-    from learning.config import compose_config
+    from common.config import compose_config
     from learning.data import load_federated_data, num_clients
 
     plain = load_federated_data(compose_config({}).dataset, 0)

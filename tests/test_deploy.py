@@ -115,7 +115,7 @@ def test_deploy_fills_the_data_cache_before_any_supernode_starts(tmp_path, monke
     with pytest.raises(RuntimeError, match="stop before"):
         deploy.main(["--nodes", "3", "experiment=deploy-3", f"results_root={tmp_path}",
                      f"data_cache={tmp_path / 'cache'}"])
-    from learning.config import compose_config
+    from common.config import compose_config
 
     cfg = compose_config({"experiment": "deploy-3"})
     assert started == [[cache_key(cfg.dataset, int(cfg.seed))]]

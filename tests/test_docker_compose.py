@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import num_clients
 from ops import deploy
 from ops.deploy import (

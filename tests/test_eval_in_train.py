@@ -14,7 +14,7 @@ from flwr.app import MessageType
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation

@@ -18,7 +18,7 @@ from helpers import pflower
 
 from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.trainer import MODEL_PREFIX, ClientRound
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import load_federated_data
 from learning.fdse_model import keys_by_class, parameter_classes, shared_bn_stats
 from learning.models import build_model

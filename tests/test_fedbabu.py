@@ -18,8 +18,8 @@ from helpers import pflower
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
+from common.config import compose_config
 from common.methods import trainer_class
-from learning.config import compose_config
 from learning.data import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
@@ -302,7 +302,7 @@ def test_fedbabu_models_normalise_with_batch_statistics():
     """cnn4 and mobilenet default to BN without running statistics (track_running_stats=False,
     as the authors): no running_mean/var in the state, and eval mode uses the batch's
     statistics (a batch scaled by 2 gives the same output: each BN divides the scale out)."""
-    from learning.config import compose_config
+    from common.config import compose_config
     from learning.models import build_model
 
     for name in ("cnn4", "mobilenet"):
@@ -328,7 +328,7 @@ def test_orthogonal_head_gain_option():
 
 
 def test_cifar_configs_use_the_authors_training_settings():
-    from learning.config import compose_config
+    from common.config import compose_config
 
     for tau in ("tau1", "tau4", "tau10"):
         cfg = compose_config({"experiment": f"fedbabu-cifar100-{tau}"}, ["dataset.root=/tmp"])

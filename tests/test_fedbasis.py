@@ -11,14 +11,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import pflower
+from helpers import model_config, pflower
 from torch import nn
 from torch.func import functional_call
 
 from client.fedbasis import COEFF_METRIC, FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
+from common.config import ConfigError, compose_config
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
-from learning.config import ConfigError, compose_config
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -47,7 +47,7 @@ def _rnd(cfg, data, cid="0", server_round=1) -> ClientRound:
 def _small_basis(k: int = 3, major: bool = True) -> BasisModel:
     def make(i: int) -> nn.Module:
         torch.manual_seed(100 + i)
-        return build_model({"name": "cnn", "width": 4, "hidden": 8}, (1, 8, 8), 5)
+        return build_model(model_config("cnn", width=4, hidden=8), (1, 8, 8), 5)
     return BasisModel(make, k, major, "stage")
 
 
@@ -86,7 +86,7 @@ def test_forward_runs_one_network_on_the_combined_weights() -> None:
     model = _small_basis().eval()
     x = torch.randn(6, 1, 8, 8)
     combined = {k: v.detach() for k, v in model.combined().items()}
-    plain = build_model({"name": "cnn", "width": 4, "hidden": 8}, (1, 8, 8), 5).eval()
+    plain = build_model(model_config("cnn", width=4, hidden=8), (1, 8, 8), 5).eval()
     plain.load_state_dict(combined)
     torch.testing.assert_close(model(x), plain(x))
     torch.testing.assert_close(model(x), functional_call(model.template, combined, (x,)))

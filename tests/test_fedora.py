@@ -21,7 +21,7 @@ from helpers import FakeGrid, make_strategy, pflower
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
 from client.trainer import MODEL_PREFIX, ClientRound
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import DatasetError, build_federated_data, load_federated_data, num_clients
 from learning.models import build_model
 from learning.params import get_arrays

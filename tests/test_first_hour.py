@@ -18,8 +18,8 @@ from helpers import FakeGrid, make_strategy
 from omegaconf import OmegaConf
 from PIL import Image
 
+from common.config import compose_config
 from common.protocol import make_reply, to_record
-from learning.config import compose_config
 from ops.styled_digits import make_styled_digits
 from server.results import (
     RunFolderError,
@@ -61,7 +61,7 @@ def test_default_run_name_includes_the_experiment_and_what_else_differs() -> Non
     # a group's choice is in the name, but each of its keys changes the run and the name
     assert compose_config({}, ["strategy=fedbn"]).run_name == "fedbn-digits-domains-cnn-s0"
     keys = [compose_config({}, [o]).run_name for o in
-            ("strategy.weighted=false", "dataset.val_fraction=0.2", "model.width=0.5")]
+            ("strategy.weighted=false", "dataset.val_fraction=0.2", "model.width=16")]
     assert len({base, *keys}) == 4 and all(k.startswith(base + "-") for k in keys)
 
 

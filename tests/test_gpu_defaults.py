@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import pflower
 
-from learning.config import ConfigError, compose_config
+from common.config import ConfigError, compose_config
 from ops.cli import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
 
 

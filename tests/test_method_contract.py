@@ -30,10 +30,10 @@ from flwr.app import Context, Message, MessageType, RecordDict
 from helpers import FakeGrid
 
 from client import app as client_app
+from common.config import compose_config
 from common.methods import METHODS, VARIANTS, parameter_roles
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
-from learning.config import compose_config
 from learning.data import load_federated_data
 from server.app import build_strategy
 from server.checkpoint import load_checkpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import model_config
 
 from learning.models import MODELS, ModelError, build_model, parameter_groups, resolve_device
 
@@ -15,7 +16,7 @@ CFG = {"cnn": {}, "cnn4": {}, "mobilenet": {"width_mult": 0.25}, "alexnet-bn": {
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_model_forward_and_groups(name):
-    model = build_model({"name": name, **CFG[name]}, SHAPES[name], num_classes=7)
+    model = build_model(model_config(name, **CFG[name]), SHAPES[name], num_classes=7)
     model.eval()
     out = model(torch.randn(2, *SHAPES[name]))
     assert out.shape == (2, 7)
@@ -29,7 +30,7 @@ def test_model_forward_and_groups(name):
 
 
 def test_large_alexnet_input():
-    model = build_model({"name": "alexnet-bn", "width": 0.1}, (3, 96, 96), 5).eval()
+    model = build_model(model_config("alexnet-bn", width=0.1), (3, 96, 96), 5).eval()
     assert model(torch.randn(2, 3, 96, 96)).shape == (2, 5)
 
 
@@ -37,7 +38,7 @@ def test_unknown_model_and_missing_weights(tmp_path):
     with pytest.raises(ModelError, match="unknown model 'vgg'"):
         build_model({"name": "vgg"}, (3, 32, 32), 10)
     with pytest.raises(ModelError, match="does not exist"):
-        build_model({"name": "resnet18", "pretrained_path": str(tmp_path / "no.pt")}, (3, 32, 32), 10)
+        build_model(model_config("resnet18", pretrained_path=str(tmp_path / "no.pt")), (3, 32, 32), 10)
     assert "cnn" in MODELS
 
 
@@ -47,7 +48,7 @@ def test_resnet18_loads_local_pretrained_weights(tmp_path):
     ref = torchvision.models.resnet18(weights=None)
     path = tmp_path / "r18.pt"
     torch.save(ref.state_dict(), path)
-    model = build_model({"name": "resnet18", "pretrained_path": str(path), "small_input": False}, (3, 64, 64), 4)
+    model = build_model(model_config("resnet18", pretrained_path=str(path), small_input=False), (3, 64, 64), 4)
     torch.testing.assert_close(model.body.layer1[0].conv1.weight, ref.layer1[0].conv1.weight)
 
 
@@ -84,7 +85,7 @@ def test_a_process_builds_a_model_once_and_copies_are_the_built_model(strategy: 
     import torch
 
     from common import methods
-    from learning.config import compose_config
+    from common.config import compose_config
 
     cfg = compose_config({"strategy": strategy, "overrides": extra})
     methods._BUILT.clear()

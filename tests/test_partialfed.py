@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import pflower
+from helpers import model_config, pflower
 from torch import nn
 
 from client.partialfed import (
@@ -19,7 +19,7 @@ from client.partialfed import (
     train_gated,
 )
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -130,9 +130,9 @@ def test_fix_first_round_without_state_starts_from_the_payload(data):
 
 
 def test_units_partition_and_resnet_letters():
-    cnn = build_model({"name": "cnn"}, (1, 8, 8), 10)
+    cnn = build_model(model_config("cnn"), (1, 8, 8), 10)
     assert model_units(cnn, "stage") == {"s1": CNN_S1, "s2": CNN_S2, "s3": CNN_S3, "fc": CNN_FC}
-    res = build_model({"name": "resnet18"}, (3, 16, 16), 10)
+    res = build_model(model_config("resnet18"), (3, 16, 16), 10)
     blocks = model_units(res, "block")
     assert list(blocks) == ["stem", "A", "a", "B", "b", "C", "c", "D", "d", "fc"]
     assert all(k.startswith("body.layer3.1.") for k in blocks["c"])
@@ -144,9 +144,9 @@ def test_units_partition_and_resnet_letters():
 # ---------------------------------------------------------------- adaptive
 def _two_copies(seed_local: int = 0, seed_global: int = 1):
     torch.manual_seed(seed_local)
-    local = build_model({"name": "cnn"}, (1, 8, 8), 10)
+    local = build_model(model_config("cnn"), (1, 8, 8), 10)
     torch.manual_seed(seed_global)
-    glob = build_model({"name": "cnn"}, (1, 8, 8), 10)
+    glob = build_model(model_config("cnn"), (1, 8, 8), 10)
     units = model_units(local, "stage")
     names = list(units)
     return local, glob, names, {k: names.index(u) for k, u in unit_of(units).items()}
@@ -263,7 +263,7 @@ def test_adaptive_round_keeps_logits_and_reports_gates(data):
 
 
 def test_bad_rule_and_options_fail_before_training():
-    from learning.config import ConfigError
+    from common.config import ConfigError
 
     with pytest.raises(ConfigError, match="strategy.rule must be one of"):
         _cfg("partialfed-fix", "strategy.rule=s9")

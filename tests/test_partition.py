@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import build_federated_data
 from learning.partition import PartitionError, partition_indices, split_train_val_test
 

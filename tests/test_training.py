@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import model_config
 from torch.utils.data import TensorDataset
 
 from learning.models import build_model
@@ -19,7 +20,7 @@ def _data(n=64, seed=0):
 
 def _model():
     torch.manual_seed(0)
-    return build_model({"name": "cnn", "width": 8, "hidden": 16}, (1, 8, 8), 2)
+    return build_model(model_config("cnn", width=8, hidden=16), (1, 8, 8), 2)
 
 
 def test_frozen_parameters_never_move_with_momentum_and_weight_decay():

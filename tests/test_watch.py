@@ -13,7 +13,7 @@ import pytest
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from learning.config import compose_config
+from common.config import compose_config
 from learning.data import load_federated_data
 from ops.progress import RunProgress, progress_wanted, rounds_seen
 from server.app import build_strategy, client_info

@@ -19,6 +19,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from common.methods import method, method_options
+from common.settings import (
+    GROUP_KEYS,
+    FaultSettings,
+    FinetuneSettings,
+    PersonalizeSettings,
+    RunKeys,
+    TrainSettings,
+)
+from learning.typed import read_typed
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")
@@ -139,7 +148,7 @@ def discover_imagefolder(cfg: DictConfig) -> None:
     from learning.data import subfolders
 
     ds = cfg.dataset
-    if ds.get("source") != "imagefolder" or OmegaConf.is_missing(ds, "root") or not ds.root:
+    if ds.source != "imagefolder" or OmegaConf.is_missing(ds, "root") or not ds.root:
         return
     root = Path(str(ds.root))
     if not ds.domains and root.is_dir():
@@ -164,55 +173,37 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Fail before any training with one clear message per problem."""
+    """Fail before any training with one clear message per problem: every group is read into
+    its typed class (every key required, none unknown, each in range; ``common/settings.py``,
+    ``learning/data.py: DatasetConfig``, ``learning/models.py: MODELS``, ``common/options.py``)."""
+    from learning.data import DatasetError, dataset_config
+    from learning.models import read_model_config
+
     problems: list[str] = []
-    if OmegaConf.is_missing(cfg.dataset, "root"):
+    root_missing = OmegaConf.is_missing(cfg.dataset, "root")
+    if root_missing:
         problems.append(
             f"dataset {cfg.dataset.name!r} needs a data folder: `pflower run dataset={cfg.dataset.name} "
             "dataset.root=/path` (with flwr run: --run-config \"overrides='dataset.root=/path'\"); "
             f"the expected layout is in conf/dataset/{cfg.dataset.name}.yaml"
         )
-
-    def num(key: str, cast: type = int) -> Any:
-        """cfg[key] as a number, or None (with a problem noted) if it is not one."""
-        value = OmegaConf.select(cfg, key)
+    run_keys = {k: v for k, v in cfg.items() if k not in GROUP_KEYS}
+    readers: list[tuple[Any, ...]] = [
+        (read_typed, RunKeys, run_keys, "", "conf/config.yaml"),
+        (read_typed, TrainSettings, cfg.train, "train", "conf/config.yaml"),
+        (read_typed, FinetuneSettings, cfg.finetune, "finetune", "conf/config.yaml"),
+        (read_typed, PersonalizeSettings, cfg.personalize, "personalize", "conf/config.yaml"),
+        (read_typed, FaultSettings, cfg.faults, "faults", "conf/config.yaml"),
+        (read_model_config, cfg.model),
+        (method_options, cfg.strategy),
+    ]
+    if not root_missing:
+        readers.append((dataset_config, cfg.dataset))
+    for reader, *args in readers:
         try:
-            if isinstance(value, bool) or value is None:
-                raise ValueError
-            out = cast(value)
-            if cast is int and float(value) != out:
-                raise ValueError
-            return out
-        except (TypeError, ValueError):
-            problems.append(f"{key} must be {'an integer' if cast is int else 'a number'}, got {value!r}")
-            return None
-
-    def check(key: str, cast: type, ok: Any, need: str) -> None:
-        value = num(key, cast)
-        if value is not None and not ok(value):
-            problems.append(f"{key} must be {need}, got {value}")
-
-    check("rounds", int, lambda v: v >= 1, ">= 1")
-    check("seed", int, lambda v: v >= 0, ">= 0")
-    check("fraction_train", float, lambda v: 0 < v <= 1, "in (0, 1]")
-    check("min_train_clients", int, lambda v: v >= 1, ">= 1")
-    check("round_timeout", float, lambda v: v > 0, "> 0 seconds")
-    check("wait_for_clients", float, lambda v: v > 0, "> 0 seconds")
-    check("eval_every", int, lambda v: v >= 1, ">= 1")
-    check("checkpoint_every", int, lambda v: v >= 0, ">= 0 (0 = never)")
-    check("norm_bound", float, lambda v: v >= 0, ">= 0 (0 = off)")
-    check("train.lr", float, lambda v: v > 0, "> 0")
-    check("train.local_epochs", int, lambda v: v >= 0, ">= 0")
-    check("train.batch_size", int, lambda v: v >= 1, ">= 1")
-    check("finetune.every", int, lambda v: v >= 0, ">= 0 (0 = fine-tune at the final evaluation only)")
-    for key in ("eval_in_train", "deterministic", "tensorboard"):
-        if not isinstance(cfg.get(key, False), bool):
-            problems.append(f"{key} must be true or false, got {cfg.get(key)!r}")
-    if str(cfg.get("best_round_by", "mean")) not in ("mean", "weighted"):
-        problems.append(f"best_round_by must be mean (over clients) or weighted (by validation size), "
-                        f"got {cfg.best_round_by!r}")
-    if str(cfg.finetune.part) not in ("full", "head", "body"):
-        problems.append(f"finetune.part must be full, head or body, got {cfg.finetune.part!r}")
+            reader(*args)
+        except (ValueError, DatasetError) as err:
+            problems.append(str(err))
     # (whether the resume folder and its checkpoint exist is checked where the server runs:
     # `pflower run` before starting anything, and the ServerApp before the first round;
     # SuperNodes compose this config too and do not have the folder)
@@ -221,18 +212,10 @@ def validate_config(cfg: DictConfig) -> None:
         if cfg.run_name and str(cfg.run_name) != run_dir.resolve().name:
             problems.append(f"run_name={cfg.run_name!r} differs from the resumed run folder "
                             f"{run_dir.resolve().name!r}; leave run_name out when resuming")
-    from learning.data import SOURCES
-
-    if not OmegaConf.is_missing(cfg.dataset, "root") and cfg.dataset.source not in SOURCES:
-        problems.append(f"dataset.source {cfg.dataset.source!r} is unknown; valid: {', '.join(SOURCES)}")
     needs = models_required(cfg)
     if needs and str(cfg.model.name) not in needs:
         problems.append(f"strategy {cfg.strategy.name!r} needs model {' or '.join(needs)}, got "
                         f"model={cfg.model.name!r}")
-    try:
-        method_options(cfg.strategy)       # every option present, known and in range
-    except ValueError as err:
-        problems.append(str(err))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

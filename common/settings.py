@@ -1,0 +1,152 @@
+"""The run keys and the ``train``, ``finetune`` and ``personalize`` groups, typed and checked.
+
+Their defaults are in ``conf/config.yaml`` only. Composition (``common/config.py``) reads
+each group into its class with ``learning/typed.py``'s reader, so every key is required, an
+unknown key (``+train.lrr=0.1``) is refused by name, and each class checks its ranges in
+``__post_init__``: a bad value fails before any process starts. ``dataset`` and ``model``
+are typed next to their registries (``learning/data.py: DatasetConfig``,
+``learning/models.py: MODELS``), the method options in ``common/options.py``.
+
+This module deliberately has no ``from __future__ import annotations``: the field types are
+read at run time to convert YAML values.
+"""
+
+import re
+from dataclasses import dataclass
+
+from learning.typed import check, finite, one_of
+
+# the top-level keys of conf/config.yaml that are config groups, not run keys
+GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize", "faults")
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The top-level keys of ``conf/config.yaml`` (see the comments there)."""
+
+    run_name: str
+    results_root: str
+    state_root: str
+    seed: int
+    rounds: int
+    eval_every: int
+    eval_in_train: bool
+    best_round_by: str
+    fraction_train: float
+    min_train_clients: int
+    round_timeout: float
+    wait_for_clients: float
+    deterministic: bool
+    device: str
+    tensorboard: bool
+    checkpoint_every: int
+    data_cache: str
+    resume: str
+    overwrite: bool
+    norm_bound: float
+
+    def __post_init__(self) -> None:
+        check(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
+        check(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        check(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
+        check(0 < self.fraction_train <= 1, f"fraction_train must be in (0, 1], got {self.fraction_train}")
+        check(self.min_train_clients >= 1, f"min_train_clients must be >= 1, got {self.min_train_clients}")
+        finite("round_timeout", self.round_timeout, 0.0, strict=True)
+        finite("wait_for_clients", self.wait_for_clients, 0.0, strict=True)
+        check(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = never), got {self.checkpoint_every}")
+        finite("norm_bound", self.norm_bound, 0.0)
+        check(self.best_round_by in ("mean", "weighted"), "best_round_by must be mean (over clients) or "
+              f"weighted (by validation size), got {self.best_round_by!r}")
+        check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """``train``: the clients' local optimisation."""
+
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    clip: float
+    lr_schedule: str
+    lr_decay: float
+    lr_milestones: tuple[float, ...]
+    lr_gamma: float
+    optimizer: str
+    amp: bool
+    compile: bool
+
+    def __post_init__(self) -> None:
+        check(self.local_epochs >= 0, f"train.local_epochs must be >= 0, got {self.local_epochs}")
+        check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        finite("train.lr", self.lr, 0.0, strict=True)
+        check(0 <= self.momentum < 1, f"train.momentum must be in [0, 1), got {self.momentum}")
+        finite("train.weight_decay", self.weight_decay, 0.0)
+        finite("train.clip", self.clip, 0.0)
+        one_of("train.lr_schedule", self.lr_schedule, ("exp", "step"))
+        check(0 < self.lr_decay <= 1, f"train.lr_decay must be in (0, 1], got {self.lr_decay}")
+        check(all(0 < m < 1 for m in self.lr_milestones),
+              f"train.lr_milestones must be fractions of the rounds in (0, 1), got {list(self.lr_milestones)}")
+        check(0 < self.lr_gamma <= 1, f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
+        one_of("train.optimizer", self.optimizer, ("sgd", "adam"))
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    """``finetune``: the +FT methods' personalisation at evaluation."""
+
+    every: int
+    epochs: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    part: str
+    curve_epochs: tuple[int, ...]
+    curve: bool
+
+    def __post_init__(self) -> None:
+        check(self.every >= 0, f"finetune.every must be >= 0 (0 = at the final evaluation only), got {self.every}")
+        check(self.epochs >= 0, f"finetune.epochs must be >= 0, got {self.epochs}")
+        finite("finetune.lr", self.lr, 0.0, strict=True)
+        check(0 <= self.momentum < 1, f"finetune.momentum must be in [0, 1), got {self.momentum}")
+        finite("finetune.weight_decay", self.weight_decay, 0.0)
+        check(self.batch_size >= 1, f"finetune.batch_size must be >= 1, got {self.batch_size}")
+        one_of("finetune.part", self.part, ("full", "head", "body"))
+        check(all(e >= 0 for e in self.curve_epochs), f"finetune.curve_epochs must be >= 0, got "
+              f"{list(self.curve_epochs)}")
+
+
+@dataclass(frozen=True)
+class PersonalizeSettings:
+    """``personalize``: the new-client protocol of ``pflower personalize``."""
+
+    epochs: int
+    lr: float
+    lrs: tuple[float, ...]
+    sizes: dict[str, float]
+    batch_size: int
+    momentum: float
+    weight_decay: float
+
+    def __post_init__(self) -> None:
+        check(self.epochs >= 1, f"personalize.epochs must be >= 1, got {self.epochs}")
+        check(self.lr > 0 and all(lr > 0 for lr in self.lrs), "personalize.lr and personalize.lrs must be > 0")
+        check(bool(self.sizes) and all(0 < s <= 1 for s in self.sizes.values()),
+              f"personalize.sizes must be shares in (0, 1], got {self.sizes}")
+        check(self.batch_size >= 1, f"personalize.batch_size must be >= 1, got {self.batch_size}")
+        check(0 <= self.momentum < 1, f"personalize.momentum must be in [0, 1), got {self.momentum}")
+        finite("personalize.weight_decay", self.weight_decay, 0.0)
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """``faults``: test-only fault injection (client/handlers.py), all off by default."""
+
+    crash_clients: tuple[str, ...]
+    crash_round: int
+    nan_clients: tuple[str, ...]
+    nan_round: int

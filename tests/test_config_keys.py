@@ -1,0 +1,83 @@
+"""Every config key has its default in conf/ only, and every group is typed at composition:
+an unknown or out-of-range key in any group is refused by name before anything starts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import ConfigError, compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("learning", "common", "strategies", "client", "server", "ops")
+# a .get("key", default) on a config object (the composed config, a group of it, or a
+# mapping of one): the default would restate or invent what conf/ says
+CONFIG_GET = re.compile(r"""\b(cfg|config_group|dataset_cfg|model_cfg|strategy|options|train|finetune|ds)"""
+                        r"""(\.\w+)*\.get\(\s*["']([\w-]+)["']\s*,""")
+
+
+def _conf_keys() -> set[str]:
+    keys: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k not in ("defaults", "hydra"):
+                    keys.add(str(k))
+                    walk(v)
+
+    for path in (REPO / "conf").rglob("*.yaml"):
+        walk(yaml.safe_load(path.read_text()) or {})
+    return keys
+
+
+def test_no_code_restates_a_default_of_conf() -> None:
+    keys = _conf_keys()
+    assert {"lr", "image_size", "width", "best_round_by"} <= keys    # the walk finds group keys
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for pkg in PACKAGES for path in sorted((REPO / pkg).glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for m in CONFIG_GET.finditer(line) if m.group(3) in keys]
+    assert found == [], "defaults restated in code (read the key, conf/ has it):\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_restated_default() -> None:
+    line = 'size = int(cfg.dataset.get("image_size", 64))'
+    match = CONFIG_GET.search(line)
+    assert match is not None and match.group(3) == "image_size"
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("+train.lrr=0.1", "train.lrr"),                 # unknown keys, by group
+    ("+dataset.clients=3", "dataset.clients"),
+    ("+model.depth=3", "model.depth"),
+    ("+finetune.steps=3", "finetune.steps"),
+    ("+personalize.rounds=2", "personalize.rounds"),
+    ("+strategy.muu=0.1", "strategy.muu"),
+    ("train.lr=-0.1", "train.lr"),                   # out of range or of the wrong kind
+    ("train.lr_schedule=cosine", "train.lr_schedule"),
+    ("train.lr_milestones=[0.5,1.5]", "train.lr_milestones"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("dataset.val_fraction=0.9", "dataset.val_fraction"),
+    ("dataset.partition=shards", "dataset.partition"),
+    ("dataset.clients_per_domain=two", "dataset.clients_per_domain"),
+    ("model.width=0", "model.width"),
+    ("model.hidden=big", "model.hidden"),
+    ("finetune.part=neck", "finetune.part"),
+    ("personalize.sizes={S:1.5}", "personalize.sizes"),
+    ("rounds=0", "rounds"),
+    ("device=tpu", "device"),
+    ("fraction_train=1.5", "fraction_train"),
+])
+def test_a_bad_key_is_refused_at_composition_by_name(override: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        compose_config({}, [override])
+
+
+def test_every_experiment_and_group_composes() -> None:
+    for group in ("experiment", "dataset", "model", "strategy"):
+        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+            compose_config({}, [f"{group}={path.stem}", "dataset.root=/data"])
