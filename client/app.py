@@ -4,7 +4,7 @@ It imports no torch itself: the handlers (``client/handlers.py``: torch, the dat
 trainers) load on the first training or evaluation message, so a process that only answers
 the server's query stays light. In a simulation the ClientApp lives in a Ray actor across
 rounds; ``pflower-supernode`` runs it in one long-lived process per node
-(``ops/node_runner.py``); with Flower's plain ``flower-supernode`` each message gets a
+(``ops/node/runner.py``); with Flower's plain ``flower-supernode`` each message gets a
 process of its own.
 """
 

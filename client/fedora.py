@@ -109,7 +109,7 @@ class FEDORATrainer(ClientTrainer):
         step of lambda ||theta - theta_hat||^2, 2 lr lambda (theta - theta_hat), never steps
         past theta_hat. Unbounded, lambda = max(eps, L_own - L_hat) grows with a client's own
         validation loss; above (1 + momentum) / (2 lr) heavy-ball SGD on the penalty is
-        unstable and the client diverges (issue 13: lambda 40-57 at lr 0.05)."""
+        unstable and the client diverges."""
         bound = self.options.lambda_max
         if bound is None:
             return math.inf

@@ -46,8 +46,8 @@ NEED_BASIS_KEY = "fedora-need-basis"
 
 # A record of many arrays travels as two: the bytes of all of them and an index. In a
 # deployment every Array is two objects the SuperLink stores and hands over one request at a
-# time (a database transaction each); a CNN's 18 tensors made a message ~40 objects and each
-# hop of a round 2-3 s on a busy SuperLink. Packed, a message is ~6 objects.
+# time (a database transaction each), so a message's cost grows with its number of tensors.
+# Packed, a message is a handful of objects whatever the model.
 PACKED_ARRAY = "__pflower_packed__"
 PACKED_INDEX = "__pflower_index__"
 _ALIGN = 16   # every array starts on a 16-byte boundary in the packed bytes

@@ -1,9 +1,9 @@
 """An on-disk cache of each client's data split, so a ClientApp process loads only its own.
 
-Why: in a deployment Flower starts one ``flwr-clientapp`` process per message, and
-building the federated dataset (importing scikit-learn / torchvision, transforming every
-domain, partitioning) took about 3 s of each message's life on a 2-core machine, three
-times that with three nodes sharing it. The first process on a machine builds the whole
+Why: in a deployment Flower starts one ``flwr-clientapp`` process per message, and building
+the federated dataset (importing scikit-learn / torchvision, transforming every domain,
+partitioning) is paid by every one of them (measured in docs/benchmarks.md). The first
+process on a machine builds the whole
 dataset once (as before) and writes every client's split; every later process reads its
 own split in milliseconds, with no scikit-learn or torchvision import.
 

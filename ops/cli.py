@@ -137,7 +137,7 @@ class SimulationWatch:
         self.pid: int | None = None   # the simulation's, once found: then one /proc read a call
 
     def __call__(self) -> bool:
-        from ops.launch import cmdline, pid_alive, process_tree
+        from ops.deployment.launch import cmdline, pid_alive, process_tree
 
         proc = getattr(self.link, "proc", None)
         if proc is None or proc.poll() is not None:
@@ -160,7 +160,7 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
              keep: Path | None, attempt: int) -> Attempt:
     """Submit the run once on a private SuperLink; on any failure keep what explains it (the
     SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
-    from ops.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
+    from ops.deployment.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
     from ops.progress import run_progress
     from ops.recovery import death_reason, keep_evidence
 
@@ -202,7 +202,7 @@ def fresh(path: Path, since: float) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ops.launch import LaunchError
+    from ops.deployment.launch import LaunchError
     from server.checkpoint import checkpoint_round
     from server.results import record_recovery
 
@@ -323,7 +323,7 @@ def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: 
     the same load may delay that answer): while the run is still active, follow its progress
     from ``metrics.jsonl`` until it finishes or its processes are gone (``alive``), instead
     of killing a healthy run."""
-    from ops.launch import run_status
+    from ops.deployment.launch import run_status
 
     status = None
     for _ in range(5):
@@ -373,7 +373,7 @@ def stale_processes(run_dir: Path) -> None:
     """Before resuming: refuse if the run's ``pflower`` is still alive; stop the SuperLink
     process group it left behind if it was killed (e.g. SIGKILL), which would otherwise
     keep running the old attempt into the same folder."""
-    from ops.launch import cmdline, kill_tree
+    from ops.deployment.launch import cmdline, kill_tree
 
     path = run_dir / PID_FILE
     if not path.exists():
@@ -386,7 +386,7 @@ def stale_processes(run_dir: Path) -> None:
     if isinstance(pid, int) and pid != os.getpid() and ("pflower" in cmdline(pid) or "ops.cli" in cmdline(pid)):
         raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
                           f"(kill {pid}) or wait for it to finish")
-    if isinstance(pgid, int) and ("flower-superlink" in cmdline(pgid) or "ops.superlink" in cmdline(pgid)):
+    if isinstance(pgid, int) and ("flower-superlink" in cmdline(pgid) or "ops.node.superlink" in cmdline(pgid)):
         print(f"pflower: stopping the SuperLink (pid {pgid}) and its processes, left running by "
               "the interrupted run", file=sys.stderr)
         kill_tree(pgid)
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.set_defaults(func=cmd_sweep)
     from ops.adapt import add_parser as add_adapt_parser
-    from ops.deploy import add_parser as add_deploy_parser
+    from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser
 
     add_deploy_parser(sub)

@@ -109,7 +109,7 @@ def death_reason(flwr_code: int, link_status: Mapping[str, Any] | None, link_log
     """One line saying why a run died, from what pflower saw (``watched``: a process that
     exited) and what Flower left: the run's status and details on the SuperLink (``flwr
     ls``) and the SuperLink's log (which also holds the simulation process's output)."""
-    from ops.launch import EXIT_WORK_GONE
+    from ops.deployment.launch import EXIT_WORK_GONE
 
     parts = [watched] if watched else []
     if flwr_code != EXIT_WORK_GONE:

@@ -78,7 +78,7 @@ def test_the_doc_table_is_read() -> None:
 def test_packages_import_only_from_allowed_layers() -> None:
     bad = []
     for pkg in PACKAGES:
-        for path in sorted((REPO / pkg).glob("*.py")):
+        for path in sorted((REPO / pkg).rglob("*.py")):
             for module, line in _imports(path):
                 layer = _layer(module)
                 if layer not in ALLOWED[pkg]:
@@ -89,8 +89,9 @@ def test_packages_import_only_from_allowed_layers() -> None:
 def test_no_import_cycles_between_modules() -> None:
     graph: dict[str, set[str]] = {}
     for pkg in PACKAGES:
-        for path in (REPO / pkg).glob("*.py"):
-            name = f"{pkg}.{path.stem}" if path.stem != "__init__" else pkg
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             graph[name] = {m for m, _ in _imports(path) if m in graph or (REPO / (m.replace(".", "/") + ".py")).exists()}
     cycles = []
 

@@ -1,10 +1,11 @@
 """Several clients per SuperNode in a simulation (``flwr run .`` on Flower's default
 federation of 2 SuperNodes): every message names its client, a node serves the clients
 ``c mod N = p`` and refuses any other, and the results equal one node per client bit for
-bit (the e2e check with real ``flwr run`` is in tests/test_first_hour.py)."""
+bit (the e2e check with real ``flwr run`` is in tests/test_run_command.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,46 @@ def test_a_reply_for_another_client_than_its_message_named_is_rejected() -> None
     result = st.aggregate_round(1, grid.send_and_receive(msgs, timeout=5))
     assert result.log.rejected == {"0": "the reply to client 0's message is for client 2"}
     assert sorted(result.log.replied) == ["1", "2", "3"]
+
+
+# ---------------------------------------------------------------- placement, waiting, idle nodes
+def _plain_strategy(n: int, **kw: object) -> PersonalizedStrategy:
+    kw.setdefault("wait_for_clients", 120.0)
+    return make_strategy(PersonalizedStrategy, dict(REF), [str(i) for i in range(n)], **kw)
+
+
+def _train(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> list:
+    return list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
+
+
+def test_two_supernodes_serve_eight_clients_at_once() -> None:
+    st = _plain_strategy(8)
+    grid = FakeGrid([str(i) for i in range(2)], num_partitions=2)   # flwr's default: 2 nodes
+    t0 = time.monotonic()
+    msgs = _train(st, grid)
+    assert time.monotonic() - t0 < 5   # not after wait_for_clients (120 s)
+    assert [grid.target_of(m) for m in msgs] == [str(i) for i in range(8)]
+    assert [grid.client_of[m.metadata.dst_node_id] for m in msgs] == ["0", "1"] * 4
+
+
+def test_extra_supernodes_stay_idle() -> None:
+    st = _plain_strategy(8)
+    grid = FakeGrid([str(i) for i in range(10)], num_partitions=10)
+    msgs = _train(st, grid)
+    addressed = sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs)
+    assert addressed == [str(i) for i in range(8)]
+
+
+def test_a_client_that_disappears_is_waited_for_once_not_every_round() -> None:
+    st = _plain_strategy(4, wait_for_clients=1.0)
+    grid = FakeGrid([str(i) for i in range(4)],
+                    lambda cid, msg: make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, cid, 1))
+    st.aggregate_round(1, grid.send_and_receive(_train(st, grid), timeout=5))
+    del grid.client_of[grid.node_of.pop("3")]            # its SuperNode dies
+    t0 = time.monotonic()
+    st.aggregate_round(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
+    waited = time.monotonic() - t0
+    t1 = time.monotonic()
+    msgs = _train(st, grid, 3)
+    assert 0.9 <= waited < 3 and time.monotonic() - t1 < 0.5
+    assert sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs) == ["0", "1", "2"]

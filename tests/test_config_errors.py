@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, compose_config, group_options
-from ops import cli, launch
+from ops import cli
+from ops.deployment import launch
 from server.checkpoint import save_checkpoint
 from server.loop import checkpoint_identity
 

@@ -38,7 +38,7 @@ def test_no_code_restates_a_default_of_conf() -> None:
     keys = _conf_keys()
     assert {"lr", "image_size", "width", "best_round_by"} <= keys    # the walk finds group keys
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-             for pkg in PACKAGES for path in sorted((REPO / pkg).glob("*.py"))
+             for pkg in PACKAGES for path in sorted((REPO / pkg).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1)
              for m in CONFIG_GET.finditer(line) if m.group(3) in keys]
     assert found == [], "defaults restated in code (read the key, conf/ has it):\n" + "\n".join(found)

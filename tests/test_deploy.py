@@ -21,11 +21,17 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from learning.storage import read_meta
-from ops import deploy
-from ops.certs import make_node_keys, make_tls, san_of, subject_alt_names
 from ops.cli import to_toml_run_config
-from ops.deploy import Deployment, node_config, parse_node_config, run_result, supernode_command
-from ops.launch import free_port, kill_group
+from ops.deployment import deploy
+from ops.deployment.certs import make_node_keys, make_tls, san_of, subject_alt_names
+from ops.deployment.deploy import (
+    Deployment,
+    node_config,
+    parse_node_config,
+    run_result,
+    supernode_command,
+)
+from ops.deployment.launch import free_port, kill_group
 
 REPO = Path(__file__).resolve().parent.parent
 # Small and tolerant of a busy 2-core machine: every message starts a ClientApp process.
@@ -126,7 +132,7 @@ def test_deploy_fills_the_data_cache_before_any_supernode_starts(tmp_path, monke
 def _stop_tree(proc: subprocess.Popen) -> None:
     """Never leave a deployment behind, whatever happened in the test: Ctrl-C, then kill
     the command and every descendant that is still there."""
-    from ops.launch import process_tree
+    from ops.deployment.launch import process_tree
 
     if proc.poll() is None:
         tree = process_tree(proc.pid)[1:]

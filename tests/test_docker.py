@@ -44,11 +44,11 @@ def _wait_for_control_api(flwr_home: Path, timeout: float = 120.0) -> None:
     """``up -d`` returns before the SuperLink listens: ask ``flwr ls`` until it answers."""
     import time
 
-    from ops.launch import FEDERATION, _exe, flower_env
+    from ops.deployment.launch import FEDERATION, executable, flower_env
 
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run([_exe("flwr"), "ls", FEDERATION], env=flower_env(flwr_home),
+        out = subprocess.run([executable("flwr"), "ls", FEDERATION], env=flower_env(flwr_home),
                              capture_output=True, text=True, timeout=60)
         if out.returncode == 0:
             return
@@ -72,7 +72,7 @@ def images() -> list[str]:
 
 def test_the_images_check_processes_through_proc_without_ps(images: list[str]) -> None:
     """The node runner's liveness checks work in the SuperNode image, which has no ``ps``."""
-    code = ("import os, shutil, subprocess, sys; from ops.launch import pid_alive, process_tree, kill_tree; "
+    code = ("import os, shutil, subprocess, sys; from ops.deployment.launch import pid_alive, process_tree, kill_tree; "
             "assert shutil.which('ps') is None; "
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "assert pid_alive(child.pid) and child.pid in process_tree(os.getpid()); "
@@ -84,7 +84,7 @@ def test_the_images_check_processes_through_proc_without_ps(images: list[str]) -
 
 @pytest.mark.parametrize("mode", ["insecure", "tls"])
 def test_compose_demo_runs_deploy3_for_two_rounds(images: list[str], mode: str, tmp_path: Path) -> None:
-    from ops.launch import flwr_run, write_flwr_config
+    from ops.deployment.launch import flwr_run, write_flwr_config
 
     docker = tmp_path / "docker"
     docker.mkdir()
@@ -92,7 +92,7 @@ def test_compose_demo_runs_deploy3_for_two_rounds(images: list[str], mode: str, 
     for name in files:
         shutil.copy(REPO / "docker" / name, docker / name)
     if mode == "tls":   # the README's certificate command, into this copy's certs/
-        subprocess.run([sys.executable, "-m", "ops.certs", "--out", str(docker / "certs"), "--host", "superlink",
+        subprocess.run([sys.executable, "-m", "ops.deployment.certs", "--out", str(docker / "certs"), "--host", "superlink",
                         "--supernodes", "3"], cwd=REPO, check=True, capture_output=True, timeout=120)
     project = f"pflower-test-{mode}"
     compose = [*images, "-p", project, *(a for f in files for a in ("-f", str(docker / f)))]

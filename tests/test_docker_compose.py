@@ -3,7 +3,7 @@
 No Docker engine exists on the build machine, so the compose files are parsed with PyYAML,
 merged the way ``docker compose -f a -f b`` merges them (``command`` replaced, ``volumes``
 merged by container path, new services added), and every service's command, ports,
-volumes and node-config are checked against ``ops/deploy.py``: the same functions
+volumes and node-config are checked against ``ops/deployment/deploy.py``: the same functions
 build the SuperLink and SuperNode command lines for the loopback deployment.
 """
 
@@ -17,8 +17,8 @@ import yaml
 
 from common.config import compose_config
 from learning.data import num_clients
-from ops import deploy
-from ops.deploy import (
+from ops.deployment import deploy
+from ops.deployment.deploy import (
     CONTAINER_CERTS,
     CONTAINER_DATA,
     CONTAINER_RESULTS,

@@ -18,7 +18,7 @@ import pytest
 from helpers import REPO, pflower, pflower_popen
 
 from common.config import ConfigError, compose_config, split_overrides
-from ops.launch import cmdline, kill_tree, process_tree
+from ops.deployment.launch import cmdline, kill_tree, process_tree
 from ops.recovery import RESUMABLE_KEYS, death_reason, expand_resume
 from server.results import (
     RECOVERIES_FILE,
@@ -164,7 +164,7 @@ def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -
 
 def test_process_helpers_need_no_ps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slim container images have no ``ps``: liveness and the process tree come from /proc."""
-    from ops.launch import pid_alive
+    from ops.deployment.launch import pid_alive
 
     monkeypatch.setenv("PATH", str(tmp_path))   # no ps (nor anything else) on PATH
     child = subprocess.Popen(["/bin/sleep", "30"], start_new_session=True)
@@ -309,7 +309,7 @@ def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path
         while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(results / "killed")):
             time.sleep(0.1)
         pids = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
-        links = [p for p in pids if "ops.superlink" in cmdline(p) and str(work) in cmdline(p)]
+        links = [p for p in pids if "ops.node.superlink" in cmdline(p) and str(work) in cmdline(p)]
         for pid in links:
             os.kill(pid, signal.SIGKILL)
             killed["pid"] = pid

@@ -20,8 +20,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from common.flower_compat import capped_time, object_pull_backoff, shorten_object_pull_backoff
-from ops import node_runner
-from ops.supernode import split_poll_interval, use_runner
+from ops.node import runner as node_runner
+from ops.node.supernode import split_poll_interval, use_runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -185,7 +185,7 @@ def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:
     """A SuperNode killed alone (not its process group) leaves no runner behind."""
     supernode = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     address = runner_dir / f"runner-{supernode.pid}.sock"
-    runner = subprocess.Popen([sys.executable, "-m", "ops.node_runner", "--address", str(address),
+    runner = subprocess.Popen([sys.executable, "-m", "ops.node.runner", "--address", str(address),
                                "--owner-pid", str(supernode.pid)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         deadline = time.monotonic() + 60

@@ -1,4 +1,4 @@
-"""``python -m ops.superlink``: Flower's ``flower-superlink`` (same arguments) whose tasks may
+"""``python -m ops.node.superlink``: Flower's ``flower-superlink`` (same arguments) whose tasks may
 miss heartbeats for 10 minutes instead of 60 s before their run is failed
 (``common/flower_compat.py``: a loaded machine lost 500-round runs to that). pflower's
 launchers start the SuperLink this way; a plain ``flower-superlink`` works the same, with

@@ -1,13 +1,13 @@
 """A real Flower deployment on this machine: one SuperLink, N SuperNodes, over gRPC.
 
 ``pflower deploy`` starts ``flower-superlink`` in deployment mode (Fleet API ``grpc-rere``)
-and one ``pflower-supernode`` (``ops/supernode.py``) per client, each in its own process group, each given its
+and one ``pflower-supernode`` (``ops/node/supernode.py``) per client, each in its own process group, each given its
 identity, data and state directory by ``--node-config``; submits one run per strategy with
 ``flwr run . pflower --stream``; checks every run wrote a fresh ``summary.json``; and stops
 every process it started, also on failure, Ctrl-C or SIGTERM.
 
 Modes:
-- ``tls`` (default): a fresh CA and SuperLink certificate (``ops/certs.py``), TLS on
+- ``tls`` (default): a fresh CA and SuperLink certificate (``ops/deployment/certs.py``), TLS on
   the Fleet, Control and runtime APIs, and SuperNode authentication: the SuperLink runs
   with ``--enable-supernode-auth``, each SuperNode's public key is registered with
   ``flwr supernode register`` and the SuperNode signs in with
@@ -35,18 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ops.launch import (
+from ops.deployment.launch import (
     APP_DIR,
     FEDERATION,
     LaunchError,
     SuperLink,
-    _exe,
-    _tail,
+    executable,
     flower_env,
     flwr_run,
     free_port,
     kill_group,
     remove_private_files,
+    tail_of,
     write_flwr_config,
 )
 
@@ -92,8 +92,8 @@ def supernode_command(superlink: str, config: str, runtime_port: int = SUPERNODE
                       private_key: str | Path | None = None, runtime_host: str = "127.0.0.1",
                       exe: str | None = None) -> list[str]:
     """``pflower-supernode`` (Flower's SuperNode with short waits and a ClientApp runner,
-    ``ops/supernode.py``) for one client: insecure unless ``root_certificates`` is given."""
-    cmd = [exe or _exe("pflower-supernode"), "--superlink", superlink]
+    ``ops/node/supernode.py``) for one client: insecure unless ``root_certificates`` is given."""
+    cmd = [exe or executable("pflower-supernode"), "--superlink", superlink]
     cmd += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if private_key is not None:
         cmd += ["--auth-supernode-private-key", str(private_key)]
@@ -213,7 +213,7 @@ class Deployment:
         return self
 
     def _start(self) -> None:
-        from ops.certs import make_node_keys, make_tls
+        from ops.deployment.certs import make_node_keys, make_tls
 
         extra_args: list[str] = []
         if self.secure:
@@ -243,7 +243,7 @@ class Deployment:
 
     def register(self, public_key: Path) -> None:
         """``flwr supernode register <public key> pflower`` against our SuperLink."""
-        out = subprocess.run([_exe("flwr"), "supernode", "register", str(public_key), FEDERATION],
+        out = subprocess.run([executable("flwr"), "supernode", "register", str(public_key), FEDERATION],
                              env=flower_env(self.flwr_home), capture_output=True, text=True, timeout=120)
         if out.returncode != 0 or "registered successfully" not in out.stdout:
             raise LaunchError(f"could not register {public_key}: {out.stdout}{out.stderr}")
@@ -251,7 +251,7 @@ class Deployment:
     def start_unregistered_node(self, index: int = 0, with_key: bool = True) -> SuperNode:
         """A SuperNode whose key was never registered, or with no key at all (both are
         refused in tls mode; Flower exits with code 305)."""
-        from ops.certs import make_node_keys
+        from ops.deployment.certs import make_node_keys
 
         name = "unregistered" if with_key else "keyless"
         key = make_node_keys(self.certs, name)[0] if with_key and self.secure else None
@@ -293,7 +293,7 @@ class Deployment:
     def run(self, run_config: str, timeout: float | None = None,
             on_line: Callable[[str], None] | None = None) -> int:
         """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code
-        (:data:`~ops.launch.EXIT_WORK_GONE` when the SuperLink exited during the run)."""
+        (:data:`~ops.deployment.launch.EXIT_WORK_GONE` when the SuperLink exited during the run)."""
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
         return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.link_alive,
@@ -303,9 +303,9 @@ class Deployment:
         parts = []
         if self.link is not None:
             parts.append(f"\n--- SuperLink log ({self.link.workdir / 'superlink.log'}):\n"
-                         + _tail(self.link.workdir / "superlink.log", lines))
+                         + tail_of(self.link.workdir / "superlink.log", lines))
         for node in [*self.nodes, *self.extra]:
-            parts.append(f"\n--- SuperNode {node.index} log ({node.log_path}):\n" + _tail(node.log_path, lines))
+            parts.append(f"\n--- SuperNode {node.index} log ({node.log_path}):\n" + tail_of(node.log_path, lines))
         return "".join(parts)
 
 

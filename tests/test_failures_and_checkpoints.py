@@ -389,7 +389,7 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         ``resume=<run dir>``: same final accuracies as (a);
     (c) too few clients (7 crash, min_train_clients=2): the run fails naming them, exit 1.
     (a) and (b) overlap, as do the resume and (c)."""
-    from ops.launch import kill_tree
+    from ops.deployment.launch import kill_tree
 
     common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
               "faults.crash_clients=[1]", "faults.crash_round=2"]

@@ -9,7 +9,7 @@ patches to Flower's internals are in ``common/flower_compat.py``:
   waited about 3 s for nothing. Its SuperExec looks for tasks at the same pace (1 s by
   default; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set in the environment wins). Each wait is
   one small request to the SuperLink: for thousands of nodes raise it (3 is Flower's pace).
-- Its ClientApps run in one long-lived runner per node (``ops/node_runner.py``) instead of
+- Its ClientApps run in one long-lived runner per node (``ops/node/runner.py``) instead of
   one fresh process per message (``--no-runner``: Flower's processes).
 - Its object pulls back off from 0.05 s, not 1 s (``common/flower_compat.py``).
 - A ClientApp task may miss heartbeats for 10 minutes, not 60 s, before it is failed
@@ -54,9 +54,9 @@ def use_runner(argv: list[str]) -> tuple[bool, list[str]]:
 
 
 def start_runner() -> None:
-    """The node's ClientApp runner (``ops/node_runner.py``) and the stand-in
+    """The node's ClientApp runner (``ops/node/runner.py``) and the stand-in
     ``flwr-clientapp`` that hands it each task, first on the SuperExec's ``PATH``."""
-    from ops.node_runner import (
+    from ops.node.runner import (
         REAL_CLIENTAPP_ENV,
         RUNNER_ENV,
         runner_dir,

@@ -2,9 +2,9 @@
 
 Flower 1.39's SuperNode has its SuperExec start one ``flwr-clientapp`` process per message
 (``flwr/supernode/runtime/run_clientapp.py``: pull one task, run it, exit). That process
-imports Flower (about 2 s of CPU), installs the FAB and loads the ClientApp, which imports
-torch, reads its data and starts CUDA, to train a few batches: a deployment round of the
-default run cost 20-30 s on 3 SuperNodes against 0.2 s of work.
+imports Flower, installs the FAB and loads the ClientApp, which imports torch, reads its data
+and starts CUDA, to train a few batches: start-up costs far more than the work (measured in
+docs/benchmarks.md, (d)).
 
 ``pflower-supernode`` starts this runner next to the SuperNode and puts a stand-in
 ``flwr-clientapp`` first on the SuperExec's ``PATH`` (:func:`write_stand_in`): a few lines
@@ -49,17 +49,17 @@ from flwr.common.logger import log
 
 from client.timing import profiled
 from common.flower_compat import run_clientapp_task, shorten_object_pull_backoff
-from ops.launch import pid_alive
+from ops.deployment.launch import pid_alive
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
 REAL_CLIENTAPP_ENV = "PFLOWER_REAL_CLIENTAPP"  # Flower's flwr-clientapp, the stand-in's fallback
-ROOT = Path(__file__).resolve().parent.parent   # where this installation's packages live
+ROOT = Path(__file__).resolve().parents[2]   # where this installation's packages live
 CODE_DIRS = ("client", "common", "learning", "strategies", "server", "ops", "conf")
 CLIENTAPP_REF = "client.app:app"
 
 STAND_IN = '''#!{python} -S
 """pflower-supernode's stand-in for flwr-clientapp: this task goes to the node's runner
-(ops/node_runner.py); Flower's own flwr-clientapp runs it when the runner is not there."""
+(ops/node/runner.py); Flower's own flwr-clientapp runs it when the runner is not there."""
 import os
 import sys
 from multiprocessing.connection import Client
@@ -230,7 +230,7 @@ def run_in_fab_process(fab: Any, run: Any, message: Any, context: Any) -> tuple[
     request = _frames(json.dumps([run.fab_id, run.fab_version, fab.hash_str, TaskIdentity.run_id,
                                   TaskIdentity.node_id, TaskIdentity.task_id]).encode(),
                       encode_message(message), context_to_proto(context).SerializeToString())
-    out = subprocess.run([sys.executable, "-m", "ops.node_runner", "--one-task"], input=request,
+    out = subprocess.run([sys.executable, "-m", "ops.node.runner", "--one-task"], input=request,
                          capture_output=True, cwd="/", check=False)
     sys.stderr.write(out.stderr.decode(errors="replace"))
     if out.returncode != 0:
@@ -353,7 +353,7 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
         pid = stale.stem.removeprefix("runner-")
         if stale == address or (pid.isdigit() and not pid_alive(int(pid))):
             stale.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "ops.node_runner", "--address", str(address),
+    proc = subprocess.Popen([sys.executable, "-m", "ops.node.runner", "--address", str(address),
                              "--owner-pid", str(owner)], stdin=subprocess.DEVNULL)
     return proc, address
 

@@ -13,7 +13,7 @@
   The public key is registered with ``flwr supernode register supernode-<i>.pub <conn>``,
   the SuperNode starts with ``--auth-supernode-private-key supernode-<i>``.
 
-    python -m ops.certs --out certs --host <SUPERLINK_IP> --host superlink --supernodes 3
+    python -m ops.deployment.certs --out certs --host <SUPERLINK_IP> --host superlink --supernodes 3
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def san_of(cert_path: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.certs", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ops.deployment.certs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="certs", help="output folder (default: certs)")
     p.add_argument("--host", action="append", default=[],

@@ -1,7 +1,7 @@
-"""What a new user meets in the first hour (issue 15): run folders that are never silently
-reused, runs that say when clients are missing, a federation of the wrong size, errors
-before any Flower process starts, options anywhere, temporary folders removed, plots,
-and ``compare`` against Local across models."""
+"""The ``pflower run`` command: run folders that are never silently reused, runs that say
+when clients are missing, errors before any Flower process starts, options anywhere,
+temporary folders removed, plots, ``compare`` against Local across models, and the same
+run through Flower's own ``flwr run .``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord
-from helpers import FakeGrid, make_strategy
 from omegaconf import OmegaConf
 from PIL import Image
 
 from common.config import compose_config
-from common.protocol import make_reply, to_record
 from ops.styled_digits import make_styled_digits
 from server.results import (
     RunFolderError,
@@ -29,7 +26,6 @@ from server.results import (
     build_summary,
     lock_is_held,
 )
-from strategies.base import PersonalizedStrategy
 
 REF = {"w": np.zeros((3, 2), np.float32)}
 
@@ -139,49 +135,6 @@ def test_the_cli_last_line_says_a_run_is_partial(capsys: pytest.CaptureFixture[s
     assert report_done({**s, "clients_missing": {}}, tmp_path / "summary.json") == 0
 
 
-# ---------------------------------------------------------------- federation size
-def _strategy(n: int, **kw: object) -> PersonalizedStrategy:
-    kw.setdefault("wait_for_clients", 120.0)
-    return make_strategy(PersonalizedStrategy, dict(REF), [str(i) for i in range(n)], **kw)
-
-
-def _train(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> list:
-    return list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
-
-
-def test_two_supernodes_serve_eight_clients_at_once() -> None:
-    st = _strategy(8)
-    grid = FakeGrid([str(i) for i in range(2)], num_partitions=2)   # flwr's default: 2 nodes
-    t0 = time.monotonic()
-    msgs = _train(st, grid)
-    assert time.monotonic() - t0 < 5   # not after wait_for_clients (120 s)
-    assert [grid.target_of(m) for m in msgs] == [str(i) for i in range(8)]
-    assert [grid.client_of[m.metadata.dst_node_id] for m in msgs] == ["0", "1"] * 4
-
-
-def test_extra_supernodes_stay_idle() -> None:
-    st = _strategy(8)
-    grid = FakeGrid([str(i) for i in range(10)], num_partitions=10)
-    msgs = _train(st, grid)
-    addressed = sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs)
-    assert addressed == [str(i) for i in range(8)]
-
-
-def test_a_client_that_disappears_is_waited_for_once_not_every_round() -> None:
-    st = _strategy(4, wait_for_clients=1.0)
-    grid = FakeGrid([str(i) for i in range(4)],
-                    lambda cid, msg: make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, cid, 1))
-    st.aggregate_round(1, grid.send_and_receive(_train(st, grid), timeout=5))
-    del grid.client_of[grid.node_of.pop("3")]            # its SuperNode dies
-    t0 = time.monotonic()
-    st.aggregate_round(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
-    waited = time.monotonic() - t0
-    t1 = time.monotonic()
-    msgs = _train(st, grid, 3)
-    assert 0.9 <= waited < 3 and time.monotonic() - t1 < 0.5
-    assert sorted(grid.client_of[m.metadata.dst_node_id] for m in msgs) == ["0", "1", "2"]
-
-
 # ---------------------------------------------------------------- errors before Flower starts
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -271,7 +224,7 @@ def test_options_may_come_anywhere_and_help_lists_the_choices(monkeypatch: pytes
 # ---------------------------------------------------------------- start-up and temp folders
 def test_a_superlink_that_fails_to_start_is_retried_once_then_named(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
-    from ops.launch import LaunchError, SuperLink
+    from ops.deployment.launch import LaunchError, SuperLink
 
     counter = tmp_path / "starts"
     script = ("import pathlib, socket, sys, time\n"
@@ -301,7 +254,7 @@ def test_a_superlink_that_fails_to_start_is_retried_once_then_named(monkeypatch:
 
 def test_temporary_folders_are_removed_keys_first_or_kept_when_asked(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
-    from ops import launch
+    from ops.deployment import launch
 
     monkeypatch.setattr(launch.SuperLink, "start", lambda self, **kw: self)
     monkeypatch.setattr(launch.SuperLink, "stop", lambda self: None)
@@ -354,8 +307,8 @@ def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
     on: pflower follows the run to its end instead of stopping a healthy run."""
     from helpers import pflower_popen
 
-    from ops.launch import cmdline as _cmdline
-    from ops.launch import process_tree
+    from ops.deployment.launch import cmdline as _cmdline
+    from ops.deployment.launch import process_tree
 
     log = tmp_path / "log.txt"
     proc = pflower_popen(["run", "rounds=6", f"results_root={tmp_path}", "run_name=cut"], log)
@@ -392,8 +345,8 @@ def test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation(
 
     from helpers import REPO
 
-    from ops.launch import cmdline as _cmdline
-    from ops.launch import kill_tree
+    from ops.deployment.launch import cmdline as _cmdline
+    from ops.deployment.launch import kill_tree
 
     home = tmp_path / "flwr-home"
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -432,7 +385,7 @@ def test_summary_reports_the_pooled_all_accuracy_beside_the_mean() -> None:
 
 
 def test_remove_private_files_deletes_the_keys_and_the_folder(tmp_path: Path) -> None:
-    from ops.launch import remove_private_files
+    from ops.deployment.launch import remove_private_files
 
     work = tmp_path / "pflower-deploy-x"
     (work / "certs").mkdir(parents=True)

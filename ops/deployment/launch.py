@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]
 FEDERATION = "pflower"
 
 
@@ -198,9 +198,9 @@ class SuperLink:
         return f"{self.host}:{self.fleet_port}"
 
     def command(self) -> list[str]:
-        """``python -m ops.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
+        """``python -m ops.node.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
         timeout, ``common/flower_compat.py``) and :meth:`args`."""
-        return [sys.executable, "-m", "ops.superlink", *self.args()]
+        return [sys.executable, "-m", "ops.node.superlink", *self.args()]
 
     def args(self) -> list[str]:
         """The SuperLink's flags: ports, database, isolation, simulation or deployment."""
@@ -232,7 +232,7 @@ class SuperLink:
                 return self
             except LaunchError as err:
                 self.stop()
-                log = _tail(log_path) or "(empty: it stopped before writing anything)"
+                log = tail_of(log_path) or "(empty: it stopped before writing anything)"
                 errors.append(f"attempt {attempt}: {err} (fleet port {self.fleet_port}); SuperLink log:\n{log}")
                 if attempt < attempts:
                     print(f"pflower: the SuperLink did not start ({err}); retrying on "
@@ -256,14 +256,17 @@ class SuperLink:
         self.stop()
 
 
-def _exe(name: str) -> str:
+def executable(name: str) -> str:
+    """The path of an installed command (``flwr``, ``pflower-supernode``): on ``PATH``, else
+    next to this Python; a missing one names the fix."""
     found = shutil.which(name) or str(Path(sys.executable).parent / name)
     if not Path(found).exists():
         raise LaunchError(f"{name} not found; install pflower's dependencies (pip install -e .)")
     return found
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def tail_of(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file (empty when there is none)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -309,7 +312,7 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config:
     processes are gone (returns :data:`EXIT_WORK_GONE`): the SuperLink would otherwise keep
     a dead run "running" until its heartbeat timeout. With ``on_line`` the stream's lines go
     to it (a progress bar prints them above itself) instead of straight to the terminal."""
-    cmd = [_exe("flwr"), "run", str(app_dir), FEDERATION, "--stream", "--run-config", run_config]
+    cmd = [executable("flwr"), "run", str(app_dir), FEDERATION, "--stream", "--run-config", run_config]
     if federation_config:
         cmd += ["--federation-config", federation_config]
     piped = {} if on_line is None else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT,
@@ -349,7 +352,7 @@ def run_info(flwr_home: Path) -> dict[str, Any] | None:
     import json
 
     try:
-        out = subprocess.run([_exe("flwr"), "ls", FEDERATION, "--format", "json"], env=flower_env(flwr_home),
+        out = subprocess.run([executable("flwr"), "ls", FEDERATION, "--format", "json"], env=flower_env(flwr_home),
                              capture_output=True, text=True, timeout=60)
         runs = json.loads(out.stdout).get("runs", [])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
@@ -361,7 +364,7 @@ def run_log(flwr_home: Path, run_id: str) -> str:
     """The run's log as the SuperLink stored it (``flwr log <run> --show``: the ServerApp's
     and the simulation's output); empty when the SuperLink cannot be asked."""
     try:
-        out = subprocess.run([_exe("flwr"), "log", str(run_id), FEDERATION, "--show"], env=flower_env(flwr_home),
+        out = subprocess.run([executable("flwr"), "log", str(run_id), FEDERATION, "--show"], env=flower_env(flwr_home),
                              capture_output=True, text=True, timeout=60)
     except (subprocess.TimeoutExpired, OSError):
         return ""

@@ -1,0 +1,2 @@
+"""Deployment orchestration, run by the operator: processes (launch), the one-command loopback
+deployment (deploy), certificates and keys (certs)."""
