@@ -39,7 +39,18 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
     return reply
 
 
-app = ClientApp(mods=[timing_mod] if os.environ.get("PFLOWER_TIMING") else [])
+def _mods() -> list[Any]:
+    """``timing_mod`` with ``PFLOWER_TIMING=1``; the tests' fault injection when they set
+    ``PFLOWER_FAULTS`` (``client/faults.py``; never part of a run's configuration)."""
+    mods: list[Any] = [timing_mod] if os.environ.get("PFLOWER_TIMING") else []
+    if os.environ.get("PFLOWER_FAULTS"):
+        from client.faults import fault_injection_mod
+
+        mods.append(fault_injection_mod)
+    return mods
+
+
+app = ClientApp(mods=_mods())
 
 
 def handle(kind: str, msg: Message, context: Context) -> Message:

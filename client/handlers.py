@@ -84,31 +84,8 @@ def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
             "attempt": str(context.run_id)}
 
 
-def inject_faults(cfg: DictConfig, client_id: str, server_round: int, where: str) -> bool:
-    """Test-only fault injection (``faults.*`` in conf/config.yaml, all off by default).
-
-    ``where="before"``: raise if this client is in ``faults.crash_clients`` and the round
-    matches ``faults.crash_round`` (0 = every round). ``where="after"``: return True if this
-    client's upload must be replaced by NaNs (``faults.nan_clients`` / ``faults.nan_round``).
-    """
-    faults = cfg.get("faults")
-    if not faults:
-        return False
-
-    def hit(clients_key: str, round_key: str) -> bool:
-        clients = {str(c) for c in (faults.get(clients_key) or [])}
-        at = int(faults.get(round_key, 0) or 0)
-        return client_id in clients and (at == 0 or at == server_round)
-
-    if where == "before" and hit("crash_clients", "crash_round"):
-        raise RuntimeError(f"injected fault: client {client_id} crashes in round {server_round} "
-                           "(faults.crash_clients)")
-    return where == "after" and hit("nan_clients", "nan_round")
-
-
 def train(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
-    inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "before")
     payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
     scope = _state_scope(rnd, context)
     state, meta = store.load(max_round=rnd.server_round - 1, **scope)
@@ -125,9 +102,6 @@ def train(msg: Message, context: Context) -> Message:
                               "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
                server_round=rnd.server_round, attempt=scope["attempt"])
     upload = result.upload
-    if inject_faults(rnd.cfg, rnd.client_id, rnd.server_round, "after"):
-        upload = {k: np.full_like(v, np.nan) if np.issubdtype(v.dtype, np.floating) else v
-                  for k, v in upload.items()}
     extra = {k: to_record(v) for k, v in result.extra.items()}
     reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
     if evaluation is not None:

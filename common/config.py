@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 from common.methods import method, method_options
 from common.settings import (
     GROUP_KEYS,
-    FaultSettings,
     FinetuneSettings,
     PersonalizeSettings,
     RunKeys,
@@ -193,7 +192,6 @@ def validate_config(cfg: DictConfig) -> None:
         (read_typed, TrainSettings, cfg.train, "train", "conf/config.yaml"),
         (read_typed, FinetuneSettings, cfg.finetune, "finetune", "conf/config.yaml"),
         (read_typed, PersonalizeSettings, cfg.personalize, "personalize", "conf/config.yaml"),
-        (read_typed, FaultSettings, cfg.faults, "faults", "conf/config.yaml"),
         (read_model_config, cfg.model),
         (method_options, cfg.strategy),
     ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from learning.typed import check, finite, one_of
 
 # the top-level keys of conf/config.yaml that are config groups, not run keys
-GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize", "faults")
+GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize")
 
 
 @dataclass(frozen=True)
@@ -140,13 +140,3 @@ class PersonalizeSettings:
         check(self.batch_size >= 1, f"personalize.batch_size must be >= 1, got {self.batch_size}")
         check(0 <= self.momentum < 1, f"personalize.momentum must be in [0, 1), got {self.momentum}")
         finite("personalize.weight_decay", self.weight_decay, 0.0)
-
-
-@dataclass(frozen=True)
-class FaultSettings:
-    """``faults``: test-only fault injection (client/handlers.py), all off by default."""
-
-    crash_clients: tuple[str, ...]
-    crash_round: int
-    nan_clients: tuple[str, ...]
-    nan_round: int

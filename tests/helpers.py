@@ -29,9 +29,10 @@ def pflower(*args: str, timeout: float = 600, cwd: Path | None = None,
                           timeout=timeout, cwd=cwd or REPO, env=env)
 
 
-def pflower_popen(args: list[str], log: Path) -> subprocess.Popen:
-    """Start ``pflower`` in its own session (so a test can signal its whole tree), output to ``log``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def pflower_popen(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``pflower`` in its own session (so a test can signal its whole tree), output to
+    ``log``; ``env`` is added to the environment (e.g. ``PFLOWER_FAULTS``, client/faults.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 

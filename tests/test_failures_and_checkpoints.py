@@ -391,15 +391,15 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
     (a) and (b) overlap, as do the resume and (c)."""
     from ops.deployment.launch import kill_tree
 
-    common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}",
-              "faults.crash_clients=[1]", "faults.crash_round=2"]
-    ref = pflower_popen(["run", *common, "run_name=ref"], tmp_path / "ref.log")
+    common = ["strategy=fedbn", "rounds=4", "seed=0", f"results_root={tmp_path}"]
+    crash = {"PFLOWER_FAULTS": json.dumps({"crash_clients": ["1"], "crash_round": 2})}
+    ref = pflower_popen(["run", *common, "run_name=ref"], tmp_path / "ref.log", crash)
     killed = resume = few = None
     try:
         # start the second simulation once the first one's Ray is up (two Ray start-ups at
         # once can time out on a small, busy machine)
         _wait_for_round(ref, tmp_path / "ref", 1)
-        killed = pflower_popen(["run", *common, "run_name=killed"], tmp_path / "killed.log")
+        killed = pflower_popen(["run", *common, "run_name=killed"], tmp_path / "killed.log", crash)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(tmp_path / "killed")):
             assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
@@ -410,10 +410,11 @@ def test_end_to_end_failures_kill_and_resume(tmp_path: Path) -> None:
         assert 2 in done and 4 not in done, done
         assert not (tmp_path / "killed" / "summary.json").exists()
 
-        resume = pflower_popen(["run", *common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log")
+        resume = pflower_popen(["run", *common, f"resume={tmp_path / 'killed'}"], tmp_path / "resume.log", crash)
         _wait_for_round(resume, tmp_path / "killed", 3)
         few = pflower_popen(["run", "strategy=fedbn", "rounds=2", f"results_root={tmp_path}", "run_name=few",
-                        "faults.crash_clients=[0,1,2,3,4,5,6]", "round_timeout=60"], tmp_path / "few.log")
+                             "round_timeout=60"], tmp_path / "few.log",
+                            {"PFLOWER_FAULTS": json.dumps({"crash_clients": [str(c) for c in range(7)]})})
         assert ref.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
         assert resume.wait(timeout=600) == 0, (tmp_path / "resume.log").read_text()[-3000:]
         assert few.wait(timeout=600) == 1
@@ -504,3 +505,33 @@ def test_timing_mod_profiles_a_message_and_never_fails_it(tmp_path: Path, monkey
     monkeypatch.setenv("PFLOWER_PROFILE", str(blocker / "prof"))
     assert timing_mod(msg, None, lambda m, c: "reply") == "reply"  # type: ignore[arg-type]
     assert "cannot write the profile" in caplog.text
+
+
+# ---------------------------------------------------------------- the tests' fault injection
+@pytest.mark.usefixtures("flower_task")
+def test_fault_injection_is_a_mod_only_the_tests_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.app import Context
+
+    from client import app as client_app
+    from client.faults import FAULTS_ENV, fault_injection_mod
+    from common.protocol import CONFIG_KEY, TARGET_CLIENT
+
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    assert fault_injection_mod not in client_app._mods()          # a production ClientApp
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"crash_clients": ["1"], "crash_round": 2, "nan_clients": ["2"]}))
+    assert fault_injection_mod in client_app._mods()
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 1, "num-partitions": 2},
+                      state=RecordDict(), run_config={})
+
+    def train(cid: str, rnd: int) -> Message:
+        msg = Message(RecordDict({CONFIG_KEY: ConfigRecord({"server-round": rnd, TARGET_CLIENT: cid})}),
+                      dst_node_id=1, message_type=MessageType.TRAIN)
+        return fault_injection_mod(msg, context, lambda m, c: upload(1.0)(cid, m))
+
+    with pytest.raises(RuntimeError, match="injected fault: client 1 crashes in round 2"):
+        train("1", 2)
+    assert from_record(train("1", 3).content.array_records["arrays"])["w"][0, 0] == 1.0   # other rounds
+    poisoned = from_record(train("3", 1).content.array_records["arrays"])                  # node 1 serves 3
+    assert np.all(poisoned["w"] == 1.0)
+    context.node_config = {"partition-id": 0, "num-partitions": 2}
+    assert np.all(np.isnan(from_record(train("2", 5).content.array_records["arrays"])["w"]))
