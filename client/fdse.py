@@ -16,15 +16,16 @@ the server sends (``aggregated``).
 
 :func:`adapt_unseen` is the label-free adaptation of a held-out client (Algorithm 3): only
 the personal (DSE) modules are trained, to minimise ``L_Con`` against the global BN_DFE
-statistics; BN_DFE stays frozen. Run it on a finished run with
-``pflower adapt RUN_DIR`` (``ops/adapt.py``) (reads ``<run>/config.yaml`` and
-``<run>/checkpoint/server.npz``; the server holds no data, so this is offline).
+statistics; BN_DFE stays frozen. Run it on a finished run with ``pflower personalize --adapt
+RUN_DIR`` (alias ``pflower adapt``), which drives :meth:`FDSETrainer.adapt_new_client` (it
+reads ``<run>/config.yaml`` and ``<run>/checkpoint/server.npz``; the server holds no data,
+so this is offline).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
 from common.options import FDSEOptions
-from common.roles import LOCAL
+from common.roles import LOCAL, PERSONAL, keys_with
 from learning.data import ClientSplit
 from learning.fdse_model import (
     adaptation_mode,
@@ -41,7 +42,7 @@ from learning.fdse_model import (
     reset_consistency_state,
     shared_bn_stats,
 )
-from learning.params import NDArrays, get_arrays
+from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import (
     LossTerm,
     OptimConfig,
@@ -105,6 +106,23 @@ class FDSETrainer(ClientTrainer):
         if self.options.evaluate == "trained" and unprefixed(state, self.TRAINED):
             return self.own_model(rnd, payload, state, self.TRAINED)
         return super().personal_model(rnd, payload, state)
+
+    def adapt_new_client(self, rnd: ClientRound, groups: Mapping[str, NDArrays],
+                         settings: Mapping[str, Any]) -> dict[str, float]:
+        """Algorithm 3 for a client of an unseen domain (``rnd.data``): the final shared
+        tensors, personal tensors from ``settings["init"]`` (:func:`personal_init`), then
+        :func:`adapt_unseen`; ``epochs``, ``lr``, ``adapt_on`` of ``settings`` when given,
+        else ``strategy.adapt_*``."""
+        o = self.options
+        model = self.new_model(rnd)
+        personal = keys_with(self.roles(model), PERSONAL)
+        set_arrays(model, {**groups["global"], **personal_init(groups, personal, str(settings["init"]))})
+        pick = {k: settings[k] if settings.get(k) is not None else d
+                for k, d in (("epochs", o.adapt_epochs), ("lr", o.adapt_lr), ("adapt_on", o.adapt_on))}
+        return adapt_unseen(model, shared_bn_stats(groups["global"]), rnd.data, rnd.device, beta=o.beta,
+                            form=o.consistency_form, epochs=int(pick["epochs"]), lr=float(pick["lr"]),
+                            batch_size=int(self.cfg.train.batch_size), clip=float(self.cfg.train.clip),
+                            adapt_on=str(pick["adapt_on"]), seed=int(self.cfg.seed))
 
 
 # ---------------------------------------------------------------- unseen domains

@@ -252,6 +252,14 @@ class ClientTrainer:
         """Parameters a new client trains with their own learning rate (none by default)."""
         return {}
 
+    def adapt_new_client(self, rnd: ClientRound, groups: Mapping[str, NDArrays],
+                         settings: Mapping[str, Any]) -> dict[str, float]:
+        """Label-free adaptation of a client that never took part, from the server's final
+        state (``groups``: the checkpoint's array groups); ``pflower personalize --adapt``.
+        Only FDSE has one (its Algorithm 3); every other method refuses."""
+        raise ValueError(f"{self.name} has no label-free adaptation of new clients; FDSE has "
+                         "(strategy=fdse); use the supervised modes of pflower personalize")
+
     def new_client_model(self, rnd: ClientRound, payload: NDArrays,
                          mode: str) -> tuple[nn.Module, Callable[[str], bool]]:
         """The starting model of a new client for ``mode`` and which parameters it learns."""

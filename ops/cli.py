@@ -4,8 +4,9 @@
     pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
     pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
-    pflower adapt RUN_DIR [RUN_DIR ...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
     pflower personalize RUN_DIR [RUN_DIR ...] [--lr LR ...] [--sizes S=0.25,M=0.5,L=1] [--epochs E]
+    pflower personalize --adapt RUN_DIR [...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
+    pflower adapt RUN_DIR [...]          # = personalize --adapt
 
 A FedBasis run whose dataset has new clients is followed by their personalisation at
 ``personalize.lr`` (``new_client_accuracy_*`` in its summary.json).
@@ -523,12 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.set_defaults(func=cmd_sweep)
-    from ops.adapt import add_parser as add_adapt_parser
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser
 
     add_deploy_parser(sub)
-    add_adapt_parser(sub)
     add_personalize_parser(sub)
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves

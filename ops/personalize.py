@@ -102,6 +102,34 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
     return out
 
 
+def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None, lr: float | None = None,
+              adapt_on: str | None = None, clients: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """The label-free mode (``--adapt``, FDSE's Algorithm 3): each held-out client adapts the
+    run's final server state with its method's ``adapt_new_client`` (other methods refuse).
+    Returns ``{client: metrics}`` and writes ``<run>/unseen_adaptation.json``."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
+    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
+    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
+    last_round, groups, _ = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    if not data.new_clients:
+        raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no held-out clients; run with "
+                         "dataset.new_clients_per_domain >= 1 (or dataset.heldout_domains)")
+    settings = {"init": init, "epochs": epochs, "lr": lr, "adapt_on": adapt_on}
+    device = resolve_device(str(cfg.device))
+    results: dict[str, dict[str, float]] = {}
+    for cid in clients or sorted(data.new_clients, key=client_sort_key):
+        rnd = ClientRound(cfg=cfg, client_id=cid, data=data.new_clients[cid], num_classes=data.num_classes,
+                          input_shape=data.input_shape, device=device, server_round=last_round + 1)
+        res: dict[str, Any] = trainer.adapt_new_client(rnd, groups, settings)
+        res["domain"] = data.new_clients[cid].domain
+        results[cid] = res
+    (run / "unseen_adaptation.json").write_text(json.dumps({"settings": settings, "clients": results}, indent=2))
+    return results
+
+
 def summarise(results: Mapping[str, Any]) -> dict[str, Any]:
     """Mean and min over new clients of last and best accuracy, per mode, size and lr."""
     table: dict[str, Any] = {}
@@ -149,6 +177,8 @@ def _sizes(text: str) -> dict[str, float]:
 
 
 def cmd_personalize(args: argparse.Namespace) -> int:
+    if getattr(args, "adapt", False):
+        return cmd_adapt(args)
     for run in args.runs:
         try:
             out = personalize_run(run, lrs=args.lr, sizes=args.sizes, epochs=args.epochs)
@@ -163,10 +193,46 @@ def cmd_personalize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adapt(args: argparse.Namespace) -> int:
+    lr = args.lr[0] if isinstance(args.lr, list) else args.lr
+    for run in args.runs:
+        try:
+            res = adapt_run(run, init=args.init, epochs=args.epochs, lr=lr, adapt_on=args.adapt_on)
+        except (FileNotFoundError, ValueError, KeyError, CheckpointError) as err:
+            print(f"pflower personalize --adapt: {run}: {err}", file=sys.stderr)
+            return 2
+        print(f"{run}: label-free adaptation of the held-out clients, test accuracy")
+        for cid, m in res.items():
+            print(f"  {cid} ({m['domain']}): init {m['acc_init']:.4f}  before {m['acc_before']:.4f}"
+                  f"  after {m['acc_after']:.4f}")
+        accs = {k: float(np.mean([m[k] for m in res.values()])) for k in ("acc_init", "acc_before", "acc_after")}
+        print(f"  mean: init {accs['acc_init']:.4f}  before {accs['acc_before']:.4f}  after {accs['acc_after']:.4f}")
+    return 0
+
+
+def _adapt_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", default="mean", choices=("mean", "initial"),
+                   help="--adapt: personal tensors from the mean of the clients' or the initial ones")
+    p.add_argument("--on", dest="adapt_on", default=None, choices=("train", "test"),
+                   help="--adapt: adapt on the unlabeled train split (default) or the test split")
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("personalize", help="personalise a finished run's new clients (FedBasis' protocol)")
+    p = sub.add_parser("personalize", help="personalise a finished run's new clients (FedBasis' protocol; "
+                                           "--adapt: FDSE's label-free adaptation)")
     p.add_argument("runs", nargs="+", help="run folders (with config.yaml and checkpoint/)")
-    p.add_argument("--lr", type=float, nargs="+", default=None, help="learning rates (default: personalize.lrs)")
+    p.add_argument("--adapt", action="store_true",
+                   help="label-free adaptation (FDSE, Algorithm 3) instead of supervised personalisation")
+    p.add_argument("--lr", type=float, nargs="+", default=None, help="learning rates (default: personalize.lrs; "
+                   "--adapt: one, default strategy.adapt_lr)")
     p.add_argument("--sizes", type=_sizes, default=None, help="train-split shares, e.g. S=0.25,M=0.5,L=1")
     p.add_argument("--epochs", type=int, default=None)
+    _adapt_options(p)
     p.set_defaults(func=cmd_personalize)
+    # `pflower adapt RUN` = `pflower personalize --adapt RUN` (the older command)
+    a = sub.add_parser("adapt", help="= personalize --adapt (FDSE: adapt a finished run to its held-out clients)")
+    a.add_argument("runs", nargs="+", help="run folders (with config.yaml and checkpoint/)")
+    a.add_argument("--epochs", type=int, default=None)
+    a.add_argument("--lr", type=float, default=None)
+    _adapt_options(a)
+    a.set_defaults(func=cmd_adapt)

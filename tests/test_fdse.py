@@ -239,6 +239,32 @@ def test_adapt_unseen_trains_only_personal_modules(setup, two_rounds):
     assert np.isfinite(res["consistency_first"]) and np.isfinite(res["consistency_last"])
 
 
+def test_the_adapt_mode_of_personalize_is_the_trainers_algorithm_3(setup, two_rounds):
+    """``pflower personalize --adapt`` drives ``FDSETrainer.adapt_new_client``: the final
+    shared tensors, the mean of the clients' personal tensors, then :func:`adapt_unseen` with
+    ``strategy.adapt_*`` unless given; other methods refuse the mode."""
+    from client.trainer import ClientTrainer
+    from learning.params import set_arrays
+
+    cfg, data = setup
+    strat, trainer = two_rounds[0], two_rounds[1]
+    groups, _ = strat.state()
+    rnd = ClientRound(cfg=cfg, client_id="new-1", data=data.new_clients["new-1"], num_classes=data.num_classes,
+                      input_shape=data.input_shape, device=torch.device("cpu"), server_round=3)
+    got = trainer.adapt_new_client(rnd, groups, {"init": "mean", "epochs": 1, "lr": None, "adapt_on": None})
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    set_arrays(model, {**groups["global"], **personal_init(groups, strat.groups["personal"], "mean")})
+    o = trainer.options
+    want = adapt_unseen(model, shared_bn_stats(groups["global"]), data.new_clients["new-1"], torch.device("cpu"),
+                        beta=o.beta, form=o.consistency_form, epochs=1, lr=o.adapt_lr,
+                        batch_size=int(cfg.train.batch_size), clip=float(cfg.train.clip), adapt_on=o.adapt_on,
+                        seed=int(cfg.seed))
+    assert got == want
+    with pytest.raises(ValueError, match="no label-free adaptation"):
+        ClientTrainer.adapt_new_client(trainer, rnd, groups, {})
+
+
 # ------------------------------------------------------------------ models, configs, bytes
 def test_paper_model_size_and_upload_ratio(setup):
     """Paper Table 4: FDSE AlexNet has 0.65e7 parameters, half of AlexNet-BN (1.30e7)."""

@@ -395,3 +395,13 @@ def test_remove_private_files_deletes_the_keys_and_the_folder(tmp_path: Path) ->
     remove_private_files(work)
     assert not work.exists()
     remove_private_files(work)   # an absent folder is fine
+
+
+def test_adapt_is_a_mode_of_personalize_and_keeps_its_old_name(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from ops import cli
+
+    for argv in (["personalize", "--adapt", str(tmp_path)], ["adapt", str(tmp_path)]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "pflower personalize --adapt" in err and "has no config.yaml" in err
