@@ -5,7 +5,8 @@
 #   2. pflower-base:bookworm    + Python 3.11 in a venv + CPU torch/torchvision
 #                               (docker/Dockerfile.base);
 #   3. pflower-superlink, pflower-supernode  + pflower (docker/Dockerfile.*, BASE_IMAGE=2.).
-# Images already present are kept (REBUILD=1 builds them again). Run from anywhere:
+# The Debian and base images already present are kept (REBUILD=1 builds them again); pflower's
+# own two images are always built (layer-cached), so they carry this checkout's code. Run from anywhere:
 #   bash docker/build-images.sh
 # Settings (environment):
 #   DEBIAN_MIRROR  the mirror debootstrap and apt use (default: this machine's apt source,
@@ -90,11 +91,9 @@ else
 fi
 
 # ---- 3. pflower's images
+# always built: they carry this checkout's code, and Docker's layer cache makes a build with
+# unchanged code take seconds (an image left from another checkout would run old code)
 for role in superlink supernode; do
-    if have_image "pflower-$role"; then
-        say "pflower-$role is there"
-        continue
-    fi
     say "building pflower-$role"
     docker build -q -f "$REPO/docker/Dockerfile.$role" -t "pflower-$role" \
         --build-arg BASE_IMAGE=pflower-base:bookworm --build-arg TORCH_INDEX_URL= "$REPO" >/dev/null
