@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from learning.backbones import AdaptiveAvgPool2d, ModelError, resnet18
+from learning.fdse_model import FDSEAlexNetConfig, FDSEResNet18Config, build_fdse_model
 from learning.typed import check, finite, read_typed
 
 
@@ -225,18 +226,6 @@ class ModelSpec:
     build: Callable[[Any, tuple[int, int, int], int], nn.Module]
 
 
-def _fdse(config: Any, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    from learning.fdse_model import build_fdse_model
-
-    return build_fdse_model(config, input_shape, num_classes)
-
-
-def _fdse_config(name: str) -> type:
-    from learning import fdse_model
-
-    return fdse_model.FDSEAlexNetConfig if name == "fdse-alexnet" else fdse_model.FDSEResNet18Config
-
-
 MODELS: dict[str, ModelSpec] = {
     "cnn": ModelSpec(CNNConfig, lambda m, s, k: SmallCNN(s[0], k, s[1], m.width, m.hidden)),
     "cnn4": ModelSpec(CNN4Config, lambda m, s, k: CNN4(s[0], k, s[1], m.width, m.bn_running_stats)),
@@ -245,8 +234,8 @@ MODELS: dict[str, ModelSpec] = {
     "alexnet-bn": ModelSpec(AlexNetBNConfig, lambda m, s, k: AlexNetBN(s[0], k, s[1], m.width, m.hidden)),
     "resnet18": ModelSpec(ResNet18Config, lambda m, s, k: resnet18(s[0], k, m.pretrained_path, m.small_input)),
     "mlp": ModelSpec(MLPConfig, lambda m, s, k: MLP(s[0] * s[1] * s[2], k, list(m.hidden))),
-    "fdse-alexnet": ModelSpec(type(None), _fdse),      # config class resolved lazily (fdse_model)
-    "fdse-resnet18": ModelSpec(type(None), _fdse),
+    "fdse-alexnet": ModelSpec(FDSEAlexNetConfig, build_fdse_model),
+    "fdse-resnet18": ModelSpec(FDSEResNet18Config, build_fdse_model),
 }
 
 
@@ -260,9 +249,7 @@ def model_spec(name: str) -> ModelSpec:
 def read_model_config(model_cfg: Mapping[str, Any]) -> Any:
     """The typed config of the configured model (every key of its YAML file, checked)."""
     name = str(model_cfg.get("name"))
-    spec = model_spec(name)
-    config = spec.config if spec.config is not type(None) else _fdse_config(name)
-    return read_typed(config, model_cfg, "model", "conf/model/{name}.yaml")
+    return read_typed(model_spec(name).config, model_cfg, "model", "conf/model/{name}.yaml")
 
 
 def build_model(model_cfg: Mapping[str, Any], input_shape: tuple[int, int, int],
