@@ -101,6 +101,8 @@ def _compose_cached(overrides_json: str) -> DictConfig:
     if needs and str(cfg.model.name) not in needs and not user_chose_model:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
         cfg = _hydra_compose([*overrides, f"model={needs[0]}"])
+    if cfg.dataset.get("synthetic"):
+        use_synthetic(cfg)
     validate_config(cfg)
     if cfg.resume:
         # the resumed run *is* the run folder given: same run_name and results_root
@@ -140,6 +142,15 @@ def default_run_name(cfg: DictConfig, overrides: list[str]) -> str:
     return name
 
 
+def use_synthetic(cfg: DictConfig) -> None:
+    """``dataset.synthetic=true`` reads no files (no ``root`` needed) and names itself: the
+    dataset is ``<name>-synthetic`` in run folders and tables, never mistaken for the real one."""
+    if OmegaConf.is_missing(cfg.dataset, "root"):
+        cfg.dataset.root = ""
+    if not str(cfg.dataset.name).endswith("-synthetic"):
+        cfg.dataset.name = f"{cfg.dataset.name}-synthetic"
+
+
 def discover_imagefolder(cfg: DictConfig) -> None:
     """An image-folder dataset with no ``domains`` listed takes the sub-folders of ``root``
     (sorted), and the generic ``imagefolder`` preset takes the root folder's name as the
@@ -147,7 +158,7 @@ def discover_imagefolder(cfg: DictConfig) -> None:
     from learning.data import subfolders
 
     ds = cfg.dataset
-    if ds.source != "imagefolder" or OmegaConf.is_missing(ds, "root") or not ds.root:
+    if ds.source != "imagefolder" or ds.synthetic or OmegaConf.is_missing(ds, "root") or not ds.root:
         return
     root = Path(str(ds.root))
     if not ds.domains and root.is_dir():

@@ -473,6 +473,11 @@ class DatasetConfig:
     augment: str
     imbalanced_client: int
     imbalance_factor: int
+    synthetic: bool
+    synthetic_classes: int
+    synthetic_samples: tuple[int, ...]
+    synthetic_channels: int
+    synthetic_size: int
 
     def __post_init__(self) -> None:
         one_of("dataset.source", self.source, tuple(SOURCES), DatasetError)
@@ -492,6 +497,17 @@ class DatasetConfig:
               f"below 1, got {self.val_fraction} and {self.test_fraction}", DatasetError)
         check(self.imbalance_factor >= 1, f"dataset.imbalance_factor must be >= 1, got {self.imbalance_factor}",
               DatasetError)
+        if self.synthetic:
+            check(self.synthetic_classes >= 2, f"dataset.synthetic=true needs dataset.synthetic_classes >= 2 "
+                  f"(the real dataset's classes), got {self.synthetic_classes}", DatasetError)
+            check(len(self.synthetic_samples) in (1, len(self.domains)) and min(self.synthetic_samples, default=0) > 0,
+                  f"dataset.synthetic=true needs dataset.synthetic_samples: one positive count per domain "
+                  f"({len(self.domains)}: {list(self.domains)}) or one total, got {list(self.synthetic_samples)}",
+                  DatasetError)
+            check(self.synthetic_channels in (1, 3) and (self.synthetic_size > 0 or self.image_size > 0),
+                  f"dataset.synthetic=true needs dataset.synthetic_channels 1 or 3 and a size "
+                  f"(dataset.synthetic_size or dataset.image_size), got {self.synthetic_channels} and "
+                  f"{self.synthetic_size}/{self.image_size}", DatasetError)
 
 
 def dataset_config(cfg: Mapping[str, Any]) -> DatasetConfig:
@@ -561,6 +577,62 @@ SOURCES: dict[str, Callable[[DatasetConfig, list[str], int], Pools]] = {
 }
 
 
+# ---------------------------------------------------------------------- synthetic stand-in
+class SyntheticImages(Dataset):
+    """Generated images of a real dataset's shape: paper-size runs without the data.
+
+    Why: the papers' settings (ResNet-18 at 224 px on 80 clients, AlexNet at 256 px) cannot be
+    tried for memory and time where their images cannot be downloaded. Image ``i`` of a domain
+    is made on demand, so a domain costs no memory: the class's low-resolution pattern (shared
+    by every domain), scaled by the domain's per-channel gain and offset by the domain's texture,
+    upsampled to the image size, plus per-pixel noise seeded by ``(seed, domain, i)``. Classes
+    are learnable and domains shift the features, but accuracy on it says nothing about a paper.
+    """
+
+    LOW = 4   # side of the class and domain patterns before upsampling
+
+    def __init__(self, labels: np.ndarray, num_classes: int, shape: tuple[int, int, int], domain: int,
+                 seed: int, noise: float = 0.5) -> None:
+        c = shape[0]
+        classes = torch.Generator().manual_seed(seed)   # the same class patterns in every domain
+        self.patterns = torch.randn(num_classes, c, self.LOW, self.LOW, generator=classes)
+        style = torch.Generator().manual_seed(seed + 7919 * (domain + 1))
+        self.gain = 0.5 + torch.rand(c, 1, 1, generator=style)
+        self.texture = 0.5 * torch.randn(c, self.LOW, self.LOW, generator=style)
+        self.targets = np.asarray(labels, dtype=np.int64)
+        self.shape, self.noise, self.seed = shape, noise, seed * 1_000_003 + 104_729 * (domain + 1)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import torch.nn.functional as F
+
+        y = int(self.targets[i])
+        low = self.gain * self.patterns[y] + self.texture
+        x = F.interpolate(low[None], size=self.shape[1:], mode="bilinear", align_corners=False)[0]
+        noise = torch.randn(self.shape, generator=torch.Generator().manual_seed(self.seed + int(i)))
+        return x + self.noise * noise, y
+
+
+def _synthetic_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
+    """``dataset.synthetic=true``: each domain a :class:`SyntheticImages` of the configured real
+    size (``synthetic_samples``), classes balanced and shuffled."""
+    counts = list(cfg.synthetic_samples)
+    if len(counts) == 1 and len(domains) > 1:   # one total, split among the domains as the array sources do
+        counts = [len(idx) for idx in split_among_domains(counts[0], len(domains), rng_seed)]
+    side = cfg.image_size or cfg.synthetic_size
+    shape = (cfg.synthetic_channels, side, side)
+    pools, ids, offset = [], [], 0
+    for d, n in enumerate(counts):
+        labels = np.random.default_rng(rng_seed + d).permutation(np.arange(n) % cfg.synthetic_classes)
+        ds = SyntheticImages(labels, cfg.synthetic_classes, shape, d, rng_seed)
+        pools.append((ds, ds.targets))
+        ids.append(np.arange(n) + offset)
+        offset += n
+    return Pools(pools, ids, cfg.synthetic_classes, shape)
+
+
 def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> FederatedData:
     """Build every client's split. Deterministic in (cfg, seed)."""
     source = str(dataset_cfg.get("source"))
@@ -568,13 +640,13 @@ def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> Federated
         raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
     cfg = dataset_config(dataset_cfg)
     domains: list[str] = list(cfg.domains)
-    if source == "imagefolder" and not domains and cfg.root and Path(cfg.root).is_dir():
+    if source == "imagefolder" and not cfg.synthetic and not domains and cfg.root and Path(cfg.root).is_dir():
         domains = [p.name for p in subfolders(Path(cfg.root))]
     if not domains:
         raise DatasetError("dataset.domains is empty; list at least one domain")
     per_domain, new_per_domain = cfg.clients_per_domain, cfg.new_clients_per_domain
     rng_seed = int(seed) * 1000 + 17
-    pools = SOURCES[source](cfg, domains, rng_seed)
+    pools = (_synthetic_pools if cfg.synthetic else SOURCES[source])(cfg, domains, rng_seed)
     num_classes = pools.num_classes
     heldout = held_out_domains(dataset_cfg)
     big, factor = _imbalance(cfg, len(domains) * per_domain)

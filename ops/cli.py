@@ -96,7 +96,7 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     cfg = compose_config(run_cfg, rest)
     n = num_clients(cfg.dataset)
-    if cfg.dataset.source == "imagefolder":
+    if cfg.dataset.source == "imagefolder" and not cfg.dataset.synthetic:
         problems = image_tree_problems(str(cfg.dataset.root), list(cfg.dataset.domains), verify_images=True)
         if problems:
             raise DatasetError(f"dataset {cfg.dataset.name!r}: the image-folder tree has problems:\n  - "
@@ -202,6 +202,21 @@ def fresh(path: Path, since: float) -> bool:
     return path.exists() and path.stat().st_mtime >= since
 
 
+RAY_ADDRESS_HELP = ("run the simulation's clients on an existing Ray cluster (host:port of its head, "
+                    "started with `ray start --head`; other machines join with `ray start --address`), "
+                    "for a simulation larger than one machine; default: the RAY_ADDRESS environment "
+                    "variable, else a private Ray instance on this machine (never a cluster found by chance)")
+
+
+def use_ray_cluster(address: str | None) -> str:
+    """Where the simulation's Ray runs: ``address`` (or ``RAY_ADDRESS``), else ``local``, a
+    private instance. Ray's own default would join any cluster ``ray start`` left running on
+    this machine; the simulation process (started by the SuperLink) inherits the variable."""
+    chosen = address or os.environ.get("RAY_ADDRESS") or "local"
+    os.environ["RAY_ADDRESS"] = chosen
+    return chosen
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ops.deployment.launch import LaunchError
     from server.checkpoint import checkpoint_round
@@ -218,8 +233,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
                   f"client-resources-num-gpus={_num(num_gpus)}")
+    ray_address = use_ray_cluster(getattr(args, "ray_address", None))
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}"
-          + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else ""))
+          + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else "")
+          + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
     keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
     max_recoveries = int(getattr(args, "max_recoveries", DEFAULT_MAX_RECOVERIES))
     recoveries, last_round = 0, checkpoint_round(run_dir) if cfg.resume else None
@@ -445,7 +462,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             runs.append(root / cfg.run_name)
             continue
         code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                          max_recoveries=args.max_recoveries))
+                                          max_recoveries=args.max_recoveries, ray_address=args.ray_address))
         if code not in (0, EXIT_PARTIAL):
             failures += 1
             continue
@@ -509,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES,
                    help="times a run whose processes died is resumed from its checkpoint by itself "
                         f"(default {DEFAULT_MAX_RECOVERIES}; 0 = never)")
+    p.add_argument("--ray-address", default=None, help=RAY_ADDRESS_HELP)
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("compare", help="compare run folders in one table and plot")
     c.add_argument("runs", nargs="+")
@@ -523,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=float, default=1.0)
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
+    s.add_argument("--ray-address", default=None, help="as for run")
     s.set_defaults(func=cmd_sweep)
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser

@@ -16,7 +16,8 @@ BASE = {
     "clients_per_domain": 2, "new_clients_per_domain": 0, "heldout_domains": [], "partition": "iid",
     "dirichlet_alpha": 0.5, "shards_per_client": 2, "val_fraction": 0.2, "test_fraction": 0.2,
     "samples_per_client": 0, "image_size": 0, "split": "per-client", "augment": "none",
-    "imbalanced_client": -1, "imbalance_factor": 1,
+    "imbalanced_client": -1, "imbalance_factor": 1, "synthetic": False, "synthetic_classes": 0,
+    "synthetic_samples": [], "synthetic_channels": 3, "synthetic_size": 0,
 }
 
 
