@@ -160,12 +160,10 @@ def _read_pass(clients: list) -> float:
 
 
 def _propagation(clients: list, w: object) -> object:
-    """FEDORA's server step as the strategy runs it: stack the clients' tensors, propagate."""
-    import numpy as np
+    """FEDORA's server step as the strategy runs it: propagate the clients' models tensor by tensor."""
+    from strategies.fedora_math import propagate_clients
 
-    from strategies.fedora_math import propagate_many
-
-    return propagate_many({key: np.stack([c[key] for c in clients]) for key in clients[0]}, w, 4.0)  # type: ignore[arg-type]
+    return propagate_clients(clients, list(clients[0]), w, 4.0)  # type: ignore[arg-type]
 
 
 def bench_aggregation(sizes: list[tuple[int, int]]) -> str:

@@ -48,6 +48,7 @@ from strategies.base import ClientUpdate, PersonalizedStrategy
 from strategies.fedora_math import (
     data_subspace_basis,
     propagate,
+    propagate_clients,
     propagate_many,
     row_normalize,
     selective_lambda,
@@ -62,6 +63,7 @@ __all__ = [
     "NEED_BASIS_KEY",
     "subspace_similarity",
     "propagate",
+    "propagate_clients",
     "propagate_many",
     "row_normalize",
     "selective_lambda",
@@ -219,13 +221,10 @@ class FEDORA(PersonalizedStrategy):
         rows = [self.theta.get(c, self.global_arrays) for c in ids]
         keys = [k for k in self.reference if np.issubdtype(self.reference[k].dtype, np.floating)
                 and all(k in r for r in rows)]
-        stacked = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in keys}
-        out = propagate_many(stacked, self.w, self.fedora.alpha, isolated="keep")
+        out = propagate_clients(rows, keys, self.w, self.fedora.alpha, isolated="keep")
         for i, cid in enumerate(ids):
             own = self.theta.get(cid, self.global_arrays)
-            hat = {k: v for k, v in own.items() if k not in out}
-            hat.update({k: out[k][i] for k in keys})
-            self.personal[cid] = hat
+            self.personal[cid] = {**{k: v for k, v in own.items() if k not in out[i]}, **out[i]}
         log(INFO, "FEDORA: propagated %d tensors over %d clients (alpha=%g)", len(keys), len(ids),
             self.fedora.alpha)
 

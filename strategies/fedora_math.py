@@ -403,6 +403,35 @@ def propagate_many(
     return {name: _mix(mixing, arr, f"thetas[{name!r}]") for name, arr in arrays.items()}
 
 
+def propagate_clients(
+    models: Sequence[Mapping[str, np.ndarray]],
+    keys: Sequence[str],
+    w: np.ndarray,
+    alpha: float,
+    *,
+    isolated: str = "error",
+) -> list[dict[str, np.ndarray]]:
+    """:func:`propagate_many` over K client models (dicts), one tensor at a time.
+
+    Why: stacking every tensor of every client first holds a second K x d copy of all the
+    models on the host (8.5 GB at K = 100, d = 11.2M, docs/benchmarks.md (b)); here only one
+    tensor's K x d_key stack exists at a time, beside the K propagated models returned.
+    Returns, for each client in order, ``keys`` -> its propagated tensor (input dtype and shape).
+    """
+    mixing = propagation_matrix(w, alpha, len(models), isolated)
+    out: list[dict[str, np.ndarray]] = [{} for _ in models]
+    for key in keys:
+        arr = np.stack([np.asarray(m[key]) for m in models])
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise ValueError(f"models[*][{key!r}] has non-floating dtype {arr.dtype}; propagate only "
+                             "floating tensors (exclude counters such as num_batches_tracked)")
+        mixed = _mix(mixing, arr, f"models[*][{key!r}]")
+        del arr
+        for i in range(len(models)):
+            out[i][key] = mixed[i]
+    return out
+
+
 def propagation_matrix(w: np.ndarray, alpha: float, num: int, isolated: str = "error") -> np.ndarray:
     """The K x K operator ``M = (1 - a)(I - a D^-1 W)^-1`` (a = alpha / (1 + alpha)) with
     ``Theta_hat = M Theta``: the inverse of :func:`_propagation_system`, float64. Its

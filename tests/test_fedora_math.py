@@ -11,6 +11,7 @@ from strategies.fedora_math import (
     CODE_TOP_K,
     data_subspace_basis,
     propagate,
+    propagate_clients,
     propagate_many,
     row_normalize,
     selective_lambda,
@@ -144,6 +145,30 @@ def test_propagate_many_matches_per_tensor():
         want = iterative_propagation(flat, w, 4.0).reshape(arr.shape)
         tol = 1e-5 if arr.dtype == np.float32 else 1e-9
         np.testing.assert_allclose(out[name], want, rtol=tol, atol=tol)
+
+
+def test_propagate_clients_tensor_by_tensor_equals_the_iteration_per_client():
+    """The strategy's path: K client dicts in, K propagated dicts out (no all-tensor stack)."""
+    rng = np.random.default_rng(2)
+    num = 7
+    w = subspace_similarity([_orth(rng, 12, 1) for _ in range(num)], form="code")
+    models = [{"conv.weight": rng.standard_normal((3, 2, 2)).astype(np.float32),
+               "fc.bias": rng.standard_normal(5)} for _ in range(num)]
+    out = propagate_clients(models, ["conv.weight", "fc.bias"], w, 4.0)
+    assert len(out) == num
+    for key in ("conv.weight", "fc.bias"):
+        flat = np.stack([m[key].reshape(-1).astype(np.float64) for m in models])
+        want = iterative_propagation(flat, w, 4.0)
+        tol = 1e-5 if key == "conv.weight" else 1e-9
+        for k in range(num):
+            assert out[k][key].shape == models[k][key].shape and out[k][key].dtype == models[k][key].dtype
+            np.testing.assert_allclose(out[k][key].reshape(-1), want[k], rtol=tol, atol=tol)
+    bad = [dict(m) for m in models]
+    bad[3]["fc.bias"] = np.full(5, np.nan)
+    with pytest.raises(ValueError, match=r"fc.bias.*client row 3"):
+        propagate_clients(bad, ["fc.bias"], w, 4.0)
+    with pytest.raises(ValueError, match="non-floating"):
+        propagate_clients([{"n": np.ones(2, np.int64)} for _ in range(num)], ["n"], w, 4.0)
 
 
 def test_isolated_rows():
