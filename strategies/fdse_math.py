@@ -438,8 +438,10 @@ def _consensus_from_gram(
 def _rows_and_gram(values: Sequence[Any], name: str) -> tuple[torch.Tensor, tuple[int, ...], np.ndarray]:
     """K same-shape tensors as (K, d) rows on the aggregation device, their shape and their
     K x K Gram matrix ``X X^T`` (one matrix product, in the inputs' precision, returned in
-    float64). A client whose values are not finite is named: its Gram diagonal
-    (sum of squares) is then not finite, so no extra pass over the data is needed."""
+    float64, symmetrised: one float32 product rounds its two triangles differently, ~2e-8 apart
+    at K = 10, d = 1M, which the solvers' symmetry check would refuse). A client whose values
+    are not finite is named: its Gram diagonal (sum of squares) is then not finite, so no extra
+    pass over the data is needed."""
     if isinstance(values, np.ndarray) and values.ndim >= 1:
         values = list(values)
     if len(values) == 0:
@@ -453,6 +455,7 @@ def _rows_and_gram(values: Sequence[Any], name: str) -> tuple[torch.Tensor, tupl
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: cannot convert to a floating array ({exc})") from exc
     gram = (rows @ rows.T).double().cpu().numpy()
+    gram = 0.5 * (gram + gram.T)
     bad = np.flatnonzero(~np.isfinite(np.diag(gram)))
     if bad.size:
         raise ValueError(f"{name}[{int(bad[0])}] contains NaN or infinite values")
