@@ -221,6 +221,12 @@ def validate_config(cfg: DictConfig) -> None:
         if cfg.run_name and str(cfg.run_name) != run_dir.resolve().name:
             problems.append(f"run_name={cfg.run_name!r} differs from the resumed run folder "
                             f"{run_dir.resolve().name!r}; leave run_name out when resuming")
+    if cfg.model.get("pretrained_required") and not cfg.model.get("pretrained_path") \
+            and not cfg.dataset.get("synthetic"):
+        problems.append(
+            f"model {cfg.model.name!r} must start from ImageNet weights in this setting (as its paper "
+            "does): give a local torchvision state_dict file, model.pretrained_path=/path/resnet18.pth "
+            "(nothing is downloaded), or train from random weights with model.pretrained_required=false")
     needs = models_required(cfg)
     if needs and str(cfg.model.name) not in needs:
         problems.append(f"strategy {cfg.strategy.name!r} needs model {' or '.join(needs)}, got "

@@ -258,24 +258,47 @@ def _load_torchvision(source: str, root: str) -> tuple[torch.Tensor, np.ndarray]
     return torch.cat(xs), np.concatenate(ys)
 
 
-class _ImageFolderDomain(Dataset):
-    """Lazy images of one domain folder, resized to a square ``image_size``."""
+PREPROCESSING = ("plain", "imagenet")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
-    def __init__(self, folder: Path, classes: list[str], image_size: int) -> None:
+
+def image_transform(image_size: int, preprocess: str, train: bool) -> Any:
+    """The torchvision transform of an image-folder sample.
+
+    ``plain``: squash resize to ``image_size`` and Normalize(0.5, 0.5), the same for training
+    and evaluation. ``imagenet``: what an ImageNet-pretrained backbone was trained with and what
+    PartialFed and FedBasis use (torchvision's reference recipe): ImageNet mean and std; for
+    training a RandomResizedCrop to ``image_size`` and a horizontal flip, drawn anew every read;
+    for evaluation a resize of the short side to ``image_size * 256 / 224`` and a centre crop.
+    """
+    import torchvision.transforms as T
+
+    if preprocess == "plain":
+        return T.Compose([T.Resize((image_size, image_size)), T.ToTensor(),
+                          T.Normalize([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])])
+    normalise = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    if train:
+        return T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), normalise])
+    return T.Compose([T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size), T.ToTensor(), normalise])
+
+
+class _ImageFolderDomain(Dataset):
+    """Lazy images of one domain folder, each read through ``transform``."""
+
+    def __init__(self, folder: Path, classes: list[str], transform: Any) -> None:
         import torchvision.datasets as tvd
-        import torchvision.transforms as T
 
         self.folder = folder
         self._ds = tvd.ImageFolder(str(folder))
         remap = {i: classes.index(c) for i, c in enumerate(self._ds.classes)}
         self.targets = np.array([remap[t] for t in self._ds.targets], dtype=np.int64)
-        self.transform = T.Compose(
-            [
-                T.Resize((image_size, image_size)),
-                T.ToTensor(),
-                T.Normalize([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-            ]
-        )
+        self.transform = transform
+
+    def with_transform(self, transform: Any) -> _ImageFolderDomain:
+        """The same images and labels read through another transform (no rescan)."""
+        other = object.__new__(_ImageFolderDomain)
+        other.folder, other._ds, other.targets, other.transform = self.folder, self._ds, self.targets, transform
+        return other
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -351,14 +374,15 @@ def _unreadable(paths: list[Path]) -> list[str]:
 
 
 def _imagefolder_domains(
-    root: str, domains: list[str], image_size: int
+    root: str, domains: list[str], image_size: int, preprocess: str = "plain"
 ) -> tuple[list[_ImageFolderDomain], list[str]]:
     problems = image_tree_problems(root, domains)
     if problems:
         raise DatasetError("the image-folder tree has problems:\n  - " + "\n  - ".join(problems))
     base = Path(root)
     classes = sorted({c.name for d in domains for c in subfolders(base / d)})
-    pools = [_ImageFolderDomain(base / d, classes, image_size) for d in domains]
+    pools = [_ImageFolderDomain(base / d, classes, image_transform(image_size, preprocess, train=False))
+             for d in domains]
     return pools, classes
 
 
@@ -471,6 +495,7 @@ class DatasetConfig:
     image_size: int
     split: str
     augment: str
+    preprocess: str
     imbalanced_client: int
     imbalance_factor: int
     synthetic: bool
@@ -484,6 +509,10 @@ class DatasetConfig:
         one_of("dataset.partition", self.partition, PARTITION_SCHEMES, DatasetError)
         one_of("dataset.split", self.split, ("per-client", "pflbed"), DatasetError)
         one_of("dataset.augment", self.augment, AUGMENTS, DatasetError)
+        one_of("dataset.preprocess", self.preprocess, PREPROCESSING, DatasetError)
+        check(self.preprocess == "plain" or self.source == "imagefolder",
+              f"dataset.preprocess={self.preprocess} applies to image folders (dataset.source=imagefolder), "
+              f"got source {self.source!r}; use dataset.preprocess=plain", DatasetError)
         check(self.clients_per_domain >= 1, f"dataset.clients_per_domain must be >= 1, got "
               f"{self.clients_per_domain}", DatasetError)
         for key in ("new_clients_per_domain", "samples_per_client", "image_size"):
@@ -526,13 +555,18 @@ class Pools:
     global_ids: list[np.ndarray]
     num_classes: int
     input_shape: tuple[int, int, int]
+    train_pools: list[Dataset] | None = None   # the same samples read for training, where that differs
 
 
 def _imagefolder_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
-    folders, classes = _imagefolder_domains(cfg.root, domains, cfg.image_size)
+    folders, classes = _imagefolder_domains(cfg.root, domains, cfg.image_size, cfg.preprocess)
     offsets = np.cumsum([0] + [len(f) for f in folders])
+    train = None
+    if cfg.preprocess != "plain":
+        train_transform = image_transform(cfg.image_size, cfg.preprocess, train=True)
+        train = [f.with_transform(train_transform) for f in folders]
     return Pools([(f, f.targets) for f in folders], [np.arange(len(f)) + offsets[d] for d, f in enumerate(folders)],
-                 len(classes), (3, cfg.image_size, cfg.image_size))
+                 len(classes), (3, cfg.image_size, cfg.image_size), train)
 
 
 def _digit_sources_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
@@ -672,7 +706,7 @@ def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> Federated
                 target = new_clients
             weights = (np.bincount(labels[tr], minlength=num_classes) / max(len(tr), 1)
                        if cfg.split == "pflbed" else None)
-            train: Dataset = Subset(pool, tr.tolist())
+            train: Dataset = Subset(pool if pools.train_pools is None else pools.train_pools[d], tr.tolist())
             target[cid] = ClientSplit(
                 client_id=cid,
                 domain=name,

@@ -630,6 +630,7 @@ class FDSEResNet18Config:
     out_bias: bool
     small_input: bool
     pretrained_path: str
+    pretrained_required: bool
 
     def __post_init__(self) -> None:
         check(self.G >= 1 and self.dw_size >= 1, "model.G and model.dw_size must be >= 1")

@@ -206,6 +206,7 @@ class AlexNetBNConfig:
 class ResNet18Config:
     name: str
     pretrained_path: str
+    pretrained_required: bool
     small_input: bool
 
 
