@@ -43,9 +43,11 @@ def machine() -> str:
 
 
 # ---------------------------------------------------------------------------------- (a)
-def _stream_rounds(cmd: list[str], metrics: Path | None, rounds: int, timeout: float) -> tuple[float, list[float]]:
+def _stream_rounds(cmd: list[str], metrics: Path | None, rounds: int, timeout: float,
+                   on_round: Callable[[int, int], None] | None = None) -> tuple[float, list[float]]:
     """Start ``cmd``; return (launch time, wall time each round was recorded). Rounds come
-    from the command's JSON lines (plain loop) or from ``metrics`` (pflower's metrics.jsonl)."""
+    from the command's JSON lines (plain loop) or from ``metrics`` (pflower's metrics.jsonl);
+    ``on_round(pid, rounds seen)`` is called as each round of ``metrics`` appears."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[float] = []
@@ -65,6 +67,8 @@ def _stream_rounds(cmd: list[str], metrics: Path | None, rounds: int, timeout: f
             n = len([s for s in metrics.read_text().splitlines() if s.strip()])
             while len(seen) < n:
                 seen.append(time.time())
+                if on_round is not None:
+                    on_round(proc.pid, len(seen))
         time.sleep(0.02)
     if proc.poll() is None:
         proc.kill()
@@ -243,7 +247,39 @@ def bench_bytes(methods: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------- (d)
+# first match wins: a SuperExec's command line names the app type it starts (serverapp, clientapp)
+DEPLOY_ROLES = (("superexec", "SuperExecs (and the app processes they started)"), ("superlink", "SuperLink"),
+                ("serverapp", "ServerApp"), ("node.runner", "ClientApp runners"), ("supernode", "SuperNodes"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and of its children it has waited for."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds so far of a deployment's processes, by role (from their command lines)."""
+    from ops.deployment.launch import cmdline, process_tree
+
+    out: dict[str, float] = {}
+    for pid in process_tree(root)[1:]:
+        cmd = cmdline(pid).lower()
+        role = next((name for key, name in DEPLOY_ROLES if key in cmd), "other (pflower deploy, flwr run)")
+        out[role] = out.get(role, 0.0) + _cpu_seconds(pid)
+    return out
+
+
 def bench_deploy(rounds: int) -> str:
+    marks: dict[int, dict[str, float]] = {}
+
+    def mark(pid: int, seen: int) -> None:
+        if seen in (1, rounds):
+            marks[seen] = _cpu_by_role(pid)
+
     with tempfile.TemporaryDirectory() as tmp:
         sim_metrics = Path(tmp) / "sim" / "metrics.jsonl"
         _, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", f"rounds={rounds}",
@@ -251,14 +287,24 @@ def bench_deploy(rounds: int) -> str:
         dep_metrics = Path(tmp) / "dep" / "metrics.jsonl"
         _, dep = _stream_rounds([sys.executable, "-m", "ops.cli", "deploy", "--mode", "insecure", "--workdir",
                                  str(Path(tmp) / "work"), "experiment=deploy-3", f"rounds={rounds}",
-                                 f"results_root={tmp}", "run_name=dep"], dep_metrics, rounds, 1200)
+                                 f"results_root={tmp}", "run_name=dep"], dep_metrics, rounds, 1200, on_round=mark)
     s, d = _per_round(sim), _per_round(dep)
-    return "\n".join([
+    lines = [
         f"experiment=deploy-3 (3 clients, FedAvg, cnn), {rounds} rounds, everything on this machine.", "",
         "| | pflower run (simulation) | pflower deploy (3 SuperNodes, gRPC, insecure) | ratio (target) |",
         "|---|---|---|---|",
         f"| seconds per round | {s:.2f} | {d:.2f} | {d / s:.1f}x (<= 2x) |",
-    ])
+    ]
+    if 1 in marks and rounds in marks and rounds > 1:
+        per = {role: (marks[rounds].get(role, 0.0) - marks[1].get(role, 0.0)) / (rounds - 1) for role in marks[rounds]}
+        cores = len(os.sched_getaffinity(0))
+        lines += ["", f"CPU seconds per deployment round by process (rounds 2-{rounds}; a process's finished "
+                  f"children count for it), against the round's {d:.2f} s x {cores} cores = {d * cores:.2f} "
+                  "CPU seconds available:", "",
+                  "| process | CPU s / round |", "|---|---|"]
+        lines += [f"| {role} | {sec:.2f} |" for role, sec in sorted(per.items(), key=lambda kv: -kv[1])]
+        lines.append(f"| all | {sum(per.values()):.2f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
