@@ -446,28 +446,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep") -> tuple[Path | None, bool]:
+    """Run one configuration, or reuse its finished folder (``overwrite=true`` runs it again).
+    Returns (the run folder, or None when it failed; whether it completed only partly)."""
+    run_cfg, rest = split_overrides(combo)
+    root = Path(run_cfg.get("results-root", "results")).resolve()
+    cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
+    folder = root / cfg.run_name
+    if (folder / "summary.json").exists() and not cfg.overwrite and not (folder / "FAILED").exists():
+        print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
+        return folder, False
+    code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                                      max_recoveries=args.max_recoveries, ray_address=args.ray_address))
+    if code not in (0, EXIT_PARTIAL):
+        return None, False
+    return folder, code == EXIT_PARTIAL
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = expand_grid(args.overrides)
     runs: list[Path] = []
     failures = 0
     for i, combo in enumerate(grid, 1):
         print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
-        run_cfg, rest = split_overrides(combo)
-        root = Path(run_cfg.get("results-root", "results")).resolve()
-        cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
-        done = root / cfg.run_name / "summary.json"
-        if done.exists() and not cfg.overwrite and not (root / cfg.run_name / "FAILED").exists():
-            print(f"pflower sweep: {root / cfg.run_name} is already done; reusing it "
-                  "(overwrite=true to run it again)", flush=True)
-            runs.append(root / cfg.run_name)
-            continue
-        code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                          max_recoveries=args.max_recoveries, ray_address=args.ray_address))
-        if code not in (0, EXIT_PARTIAL):
+        folder, partial = run_or_reuse(combo, args)
+        if folder is None:
             failures += 1
             continue
-        failures += code == EXIT_PARTIAL
-        runs.append(root / cfg.run_name)
+        failures += partial
+        runs.append(folder)
     if runs:
         cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
     return 1 if failures else 0
@@ -545,9 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_sweep)
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser
+    from ops.tune import add_parser as add_tune_parser
 
     add_deploy_parser(sub)
     add_personalize_parser(sub)
+    add_tune_parser(sub)
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves
     # `rounds=5` unparsed (argparse stops the positional list at the option)
