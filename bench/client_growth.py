@@ -5,8 +5,12 @@
 
 Each point is ``pflower run`` of the default config (the default CNN) on ``dataset.synthetic``
 images of ``digits-shards``' shape (one domain, 8 x 8, shard split) with ``--samples`` per
-client (so that the work per client is the same at every size), 2 rounds, for
-``fraction_train`` 1.0 and 0.1; round 2 is timed (``bench/paper_scale.py: measure_run``).
+client (so that the work per client is the same at every size), 4 rounds, for
+``fraction_train`` 1.0 and 0.1; round 3 is timed (``bench/paper_scale.py: measure_run``): by
+then every client has had a message (with ``fraction_train`` 0.1 most clients first hear from
+the server in round 2, when round 1's evaluation reaches them, and pay their first-message
+costs there), and round 3 is a middle round (its training and round 2's carried evaluation;
+the last round evaluates by separate messages).
 The per-client cost is the slope between the two largest sizes: milliseconds of a round and
 MB of the server's peak memory per client. FedAvg keeps no per-client state on the server;
 FEDORA keeps each client's basis and model and computes a K x K similarity (its math needs it).
@@ -29,15 +33,15 @@ def point(strategy: str, clients: int, fraction: float, samples: int, root: Path
     overrides = [f"strategy={strategy}", "dataset=digits-shards", "dataset.synthetic=true",
                  f"dataset.clients_per_domain={clients}",
                  f"dataset.synthetic_samples=[{clients * samples}]", f"fraction_train={fraction}",
-                 "min_train_clients=1", "rounds=2"]
+                 "min_train_clients=1", "rounds=4"]
     m = measure_run(name, overrides, root)
     row: dict[str, object] = {"strategy": strategy, "clients": clients, "fraction_train": fraction,
                               "exit": m.code, "wall_s": round(m.wall_s, 1), "server_peak_mb": round(m.server_mb),
                               "client_peak_mb": round(m.client_mb), "command": " ".join(overrides)}
-    if m.code != 0 or len(m.rounds) < 2:
+    if m.code != 0 or len(m.rounds) < 4:
         row["error"] = m.log_tail
     else:
-        row["s_per_round"] = round(m.round_seconds(), 2)
+        row["s_per_round"] = round(m.round_seconds(2), 2)
     return row
 
 
@@ -50,7 +54,7 @@ def slope(rows: list[dict[str, object]], key: str, scale: float) -> float | None
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    out = ["| strategy | fraction_train | clients | s / round (round 2) | server peak MB | client peak MB |",
+    out = ["| strategy | fraction_train | clients | s / round (round 3) | server peak MB | client peak MB |",
            "|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['strategy']} | {r['fraction_train']} | {r['clients']} | {r.get('s_per_round', 'failed')} "

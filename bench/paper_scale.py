@@ -117,14 +117,14 @@ class Measured:
     client_mb: float
     log_tail: str
 
-    def round_seconds(self) -> float:
-        """Seconds of the last round (training, the previous round's carried evaluation,
-        aggregation), from the server's elapsed time at the end of each round."""
-        last = self.rounds[-1]
-        return last["elapsed_s"] - self.rounds[-2]["elapsed_s"] if len(self.rounds) > 1 else last["elapsed_s"]
+    def round_seconds(self, index: int = -1) -> float:
+        """Seconds of round ``index`` (default the last: training, the previous round's carried
+        evaluation, aggregation), from the server's elapsed time at the end of each round."""
+        rounds = self.rounds[: len(self.rounds) + index + 1] if index < 0 else self.rounds[: index + 1]
+        return rounds[-1]["elapsed_s"] - rounds[-2]["elapsed_s"] if len(rounds) > 1 else rounds[-1]["elapsed_s"]
 
-    def round_mb(self) -> float:
-        comm = self.rounds[-1].get("communication", {})
+    def round_mb(self, index: int = -1) -> float:
+        comm = self.rounds[index].get("communication", {})
         return (sum(comm.get("bytes_up", {}).values()) + sum(comm.get("bytes_down", {}).values())) / 1e6
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -77,6 +77,10 @@ class ClientDirectory:
         self._idle_logged: set[str] = set()
         self._placement_logged = False
         self._addressed: list[tuple[Message, str]] = []   # messages out, with their client
+        # one packed record per distinct payload of an exchange (a shared global model is packed
+        # once, not once per client): key = the payload's (name, id(array)) pairs; the entry keeps
+        # the arrays alive so that no id is reused while the exchange lasts
+        self._records: dict[tuple[tuple[str, int], ...], tuple[tuple[Any, ...], ArrayRecord]] = {}
         self._by_message_id: dict[str, str] = {}           # the same by message id, once pushed
         self._sent_at = 0.0
 
@@ -170,13 +174,23 @@ class ClientDirectory:
         whose replies may carry the evaluation) and start the no-reply clock."""
         self._addressed = [] if message_type == MessageType.TRAIN else [
             (m, c) for m, c in self._addressed if m.metadata.message_type != message_type]
+        self._records = {}
         self._sent_at = time.monotonic()
+
+    def record_of(self, payload: NDArrays) -> ArrayRecord:
+        """The payload as a packed record, packed once per exchange for every client that gets
+        the same arrays (FedAvg's 1,000 clients share one 0.6 MB buffer instead of 1,000)."""
+        key = tuple((name, id(array)) for name, array in payload.items())
+        hit = self._records.get(key)
+        if hit is None:
+            hit = self._records[key] = (tuple(payload.values()), to_record(payload))
+        return hit[1]
 
     def message(self, client_id: str, payload: NDArrays, config: Mapping[str, Any], message_type: str) -> Message:
         """A message to the node serving ``client_id``, naming the client it is for."""
         if not client_id.startswith("node-"):
             config = {**config, TARGET_CLIENT: client_id}
-        record = RecordDict({ARRAYS_KEY: to_record(payload), CONFIG_KEY: ConfigRecord(dict(config))})
+        record = RecordDict({ARRAYS_KEY: self.record_of(payload), CONFIG_KEY: ConfigRecord(dict(config))})
         msg = Message(content=record, message_type=message_type, dst_node_id=self.node_of[client_id])
         self._addressed.append((msg, client_id))
         return msg

@@ -133,6 +133,28 @@ def test_a_reply_for_another_client_than_its_message_named_is_rejected() -> None
     assert sorted(result.log.replied) == ["1", "2", "3"]
 
 
+@pytest.mark.usefixtures("flower_task")
+def test_a_shared_model_is_packed_once_per_exchange_and_personal_payloads_apart() -> None:
+    """Every client of a FedAvg round gets the same arrays: one packed record for all of them
+    (1,000 clients held 1,000 copies of the model on the server); a client with its own arrays
+    gets its own record, with its own values."""
+    from common.protocol import ARRAYS_KEY, from_record
+
+    st = make_strategy(PersonalizedStrategy, {"w": np.zeros((3, 2), np.float32), "b": np.ones(2, np.float32)},
+                       [str(i) for i in range(6)])
+    grid = FakeGrid([str(i) for i in range(6)], num_partitions=6)
+    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    records = [m.content.array_records[ARRAYS_KEY] for m in msgs]
+    assert len(msgs) == 6 and all(r is records[0] for r in records)
+    st.personal["3"] = {"w": np.full((3, 2), 7.0, np.float32)}
+    msgs = list(st.configure_train(2, to_record(st.global_arrays), ConfigRecord({}), grid))
+    by_client = {str(m.content.config_records[CONFIG_KEY][TARGET_CLIENT]): m.content.array_records[ARRAYS_KEY]
+                 for m in msgs}
+    assert by_client["3"] is not by_client["0"] and by_client["0"] is by_client["5"]
+    assert float(from_record(by_client["3"])["w"][0, 0]) == 7.0 and float(from_record(by_client["0"])["w"][0, 0]) == 0
+    assert msgs[0].content.array_records[ARRAYS_KEY] is not records[0]   # a new exchange packs anew
+
+
 # ---------------------------------------------------------------- placement, waiting, idle nodes
 def _plain_strategy(n: int, **kw: object) -> PersonalizedStrategy:
     kw.setdefault("wait_for_clients", 120.0)
