@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_deploy_parser(sub)
     add_personalize_parser(sub)
-    add_tune_parser(sub)
+    add_tune_parser(sub, run_or_reuse, cmd_compare, DEFAULT_MAX_RECOVERIES)
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves
     # `rounds=5` unparsed (argparse stops the positional list at the option)

@@ -118,13 +118,14 @@ def tuning_table(choices: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from ops.cli import cmd_compare, run_or_reuse
-
+def cmd_tune(args: argparse.Namespace, run_one: RunOne, compare: Callable[[argparse.Namespace], int]) -> int:
+    """The command: ``run_one`` runs (or reuses) one configuration, ``compare`` writes the table
+    (``ops/cli.py``'s ``run_or_reuse`` and ``cmd_compare``, passed in: the command line imports
+    this module, not the other way round)."""
     try:
         axes = [GridAxis.parse(g) for g in args.grid]
         seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
-        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_or_reuse)
+        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_one)
     except (ConfigError, ValueError) as err:
         print(f"pflower tune: {err}", flush=True)
         return 2
@@ -135,16 +136,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     head = tuning_table(choices)
     print(head, flush=True)
     if runs:
-        cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
+        compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
         if args.out:
             path = Path(args.out)
             path.write_text(f"Tuned on validation accuracy:\n\n{head}\n\n{path.read_text()}")
     return 1 if failures else 0
 
 
-def add_parser(sub: Any) -> None:
-    from ops.cli import DEFAULT_MAX_RECOVERIES
-
+def add_parser(sub: Any, run_one: RunOne, compare: Callable[[argparse.Namespace], int], max_recoveries: int) -> None:
     p = sub.add_parser("tune", help="choose each method's hyper-parameters on validation accuracy, then run the "
                                     "seeds at them", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +156,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plot", default="")
     p.add_argument("--num-cpus", type=float, default=1.0)
     p.add_argument("--num-gpus", type=float, default=None, help="as for run")
-    p.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
+    p.add_argument("--max-recoveries", type=int, default=max_recoveries, help="as for run")
     p.add_argument("--ray-address", default=None, help="as for run")
-    p.set_defaults(func=cmd_tune)
+    p.set_defaults(func=lambda args: cmd_tune(args, run_one, compare))

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from common.figures import inches, tick_step
 from common.protocol import client_sort_key
 from learning.storage import atomic_write_text
 from server.tensorboard import TB_DIR, TensorBoardLog
@@ -414,11 +415,12 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     clients = summary["clients"]
     domains = sorted({str(c.get("domain", "")) for c in clients.values()})
     colours = {d: f"C{i % 10}" for i, d in enumerate(domains)}
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(clients)), 4))
+    fig, ax = plt.subplots(figsize=(inches(len(clients), 0.6, 6.0), 4))
     bars = ax.bar(range(len(clients)), [c["accuracy"] for c in clients.values()],
                   color=[colours[str(c.get("domain", ""))] for c in clients.values()])
-    ax.set_xticks(range(len(clients)), [f"{cid}\n{c.get('domain', '')}" for cid, c in clients.items()],
-                  fontsize=7)
+    step = tick_step(len(clients))
+    ax.set_xticks(range(0, len(clients), step), [f"{cid}\n{c.get('domain', '')}" for cid, c in
+                                                 list(clients.items())[::step]], fontsize=7)
     if len(domains) > 1:
         seen: set[str] = set()
         handles = [(b, str(c.get("domain"))) for b, c in zip(bars, clients.values(), strict=True)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.common.logger import log
 
+from common.figures import inches, tick_step
 from common.options import FedBasisOptions
 from common.protocol import COEFF_METRIC, client_sort_key
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
@@ -207,7 +208,7 @@ def plot_coefficients(path: Path, coefficients: Mapping[str, Mapping[str, list[f
 
     clients = sorted(coefficients, key=client_sort_key)
     units = list(dict.fromkeys(u for c in clients for u in coefficients[c]))
-    fig, axes = plt.subplots(1, len(units), figsize=(2.0 * len(units) + 1.5, 0.35 * len(clients) + 1.5),
+    fig, axes = plt.subplots(1, len(units), figsize=(2.0 * len(units) + 1.5, inches(len(clients), 0.35, 0.0) + 1.5),
                              squeeze=False, sharey=True)
     for ax, unit in zip(axes[0], units, strict=True):
         grid = np.array([coefficients[c].get(unit, []) for c in clients])
@@ -215,7 +216,8 @@ def plot_coefficients(path: Path, coefficients: Mapping[str, Mapping[str, list[f
         ax.set_title(unit)
         ax.set_xticks(range(grid.shape[1]), [str(k + 1) for k in range(grid.shape[1])])
         ax.set_xlabel("basis")
-    axes[0][0].set_yticks(range(len(clients)), [labels.get(c, c) for c in clients], fontsize=7)
+    step = tick_step(len(clients))
+    axes[0][0].set_yticks(range(0, len(clients), step), [labels.get(c, c) for c in clients[::step]], fontsize=7)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
                  label="coefficient" + (" (major basis: 1/2 fixed)" if major else ""))
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -41,6 +41,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from common.figures import inches, tick_step
 from common.options import FEDORAOptions
 from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays
@@ -277,13 +278,13 @@ def plot_similarity(path: Path, cosine_sum: np.ndarray, w: np.ndarray, labels: l
     import matplotlib.pyplot as plt
 
     num = len(labels)
-    size = max(4.0, 0.25 * num)
+    size = inches(num, 0.25, 4.0) / 2
     fig, axes = plt.subplots(1, 2, figsize=(2 * size + 2, size))
     for ax, mat, title in ((axes[0], cosine_sum, "sum of principal-angle cosines"),
                            (axes[1], w, f"propagation graph W ({form} form)")):
         im = ax.imshow(mat, cmap="viridis")
         ax.set_title(title)
-        step = max(1, num // 18)
+        step = tick_step(num, 18)
         ticks = list(range(0, num, step))
         ax.set_xticks(ticks, [labels[i] for i in ticks])
         ax.set_yticks(ticks, [labels[i] for i in ticks])
