@@ -10,7 +10,11 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
 from common.config import compose_config, run_config_to_overrides
-from common.flower_compat import check_flower_version, shorten_object_pull_backoff
+from common.flower_compat import (
+    check_flower_version,
+    index_undelivered_messages,
+    shorten_object_pull_backoff,
+)
 from common.methods import build_method_model, strategy_class
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
@@ -39,6 +43,7 @@ def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object
 def main(grid: Grid, context: Context) -> None:
     check_flower_version()
     shorten_object_pull_backoff()   # replies' arrays: see common/flower_compat.py
+    index_undelivered_messages()    # the simulation's message lookup, linear in the clients (item 7)
     cfg = compose_config(dict(context.run_config))
     # the summary from the data cache (no split is loaded on the server); built if not cached
     data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))

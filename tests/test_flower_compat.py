@@ -44,3 +44,38 @@ def test_pflower_says_so_before_starting_anything(monkeypatch: pytest.MonkeyPatc
     assert started == []
     err = capsys.readouterr().err
     assert "installed: flwr 1.40.1" in err and "pip install 'flwr[simulation]>=1.39,<1.40'" in err
+
+
+def test_the_indexed_message_lookup_answers_as_flowers_scan() -> None:
+    """Item 7: each node's oldest undelivered messages of the run, up to ``limit``, marked
+    delivered; an expired message (deleted by Flower's check) is skipped and leaves the index;
+    a message stored before the index existed is found too."""
+    import threading
+    from types import SimpleNamespace
+
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    assert flower_compat.index_undelivered_messages() and flower_compat.index_undelivered_messages()
+
+    def msg(node: int, run: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node, run_id=run, delivered_at=""))
+
+    class State:
+        def __init__(self) -> None:
+            self.lock, self.message_ins_store, self.expired = threading.RLock(), {}, set()
+
+        def _check_stored_messages(self, ids: set[str]) -> None:   # Flower deletes expired ones
+            for i in ids & self.expired:
+                self.message_ins_store.pop(i, None)
+
+    state = State()
+    state.message_ins_store.update({"a": msg(7), "b": msg(8), "c": msg(7), "d": msg(7, run=2), "e": msg(7)})
+    state.expired.add("c")
+    lookup = InMemoryLinkState.get_message_ins
+    first = lookup(state, 7, limit=1, run_id=1)
+    assert [m is state.message_ins_store["a"] for m in first] == [True] and first[0].metadata.delivered_at
+    assert lookup(state, 7, limit=None, run_id=1) == [state.message_ins_store["e"]]   # c expired, d other run
+    assert lookup(state, 7, limit=1, run_id=1) == [] and lookup(state, 8, limit=5) == [state.message_ins_store["b"]]
+    assert lookup(state, 7, limit=1) == [state.message_ins_store["d"]]                 # any run
+    with pytest.raises(AssertionError, match="limit"):
+        lookup(state, 7, limit=0)
