@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
-from bench.paper_scale import measure_run
-from bench.run import machine
+from bench.paper_scale import measure_run, report
 
 
 def point(strategy: str, clients: int, fraction: float, samples: int, root: Path) -> dict[str, object]:
@@ -86,11 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                     row = point(strategy, clients, fraction, args.samples, Path(tmp))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    text = f"{machine()}, {time.strftime('%Y-%m-%d')}\n\n{table(rows)}\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n\n")
+    report(table(rows), rows, args.out)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,15 @@ def table(rows: list[dict[str, object]]) -> str:
     return "\n".join(out)
 
 
+def report(markdown: str, rows: list[dict[str, object]], out: str) -> None:
+    """Print the machine, date and table; append them and the JSON rows to ``out`` if given."""
+    text = f"{machine()}, {time.strftime('%Y-%m-%d')}\n\n{markdown}\n"
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python3 -m bench.paper_scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,11 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             row = run_setting(name, SETTINGS[name], args.fraction, list(args.set), Path(tmp))
             print(json.dumps(row), flush=True)
             rows.append(row)
-    text = f"{machine()}, {time.strftime('%Y-%m-%d')}\n\n{table(rows)}\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n\n")
+    report(table(rows), rows, args.out)
 
 
 if __name__ == "__main__":
