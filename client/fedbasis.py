@@ -123,10 +123,13 @@ class FedBasisTrainer(ClientTrainer):
     def new_client_modes(self) -> tuple[str, ...]:
         return ("basis",)
 
-    def new_client_lrs(self) -> dict[str, float]:
-        """The logits learn with ``coeff_lr`` (when set), as in training: their gradient is a
-        sum over a whole unit's parameters, so their scale differs from the weights'."""
-        return {COEFF_KEY: self.options.coeff_lr} if self.options.coeff_lr else {}
+    def new_client_lr_scales(self) -> dict[str, float]:
+        """The logits learn at ``coeff_lr / train.lr`` times the swept lr (when ``coeff_lr`` is
+        set), the ratio of training: their gradient is a sum over a whole unit's parameters, so
+        their scale differs from the weights'. Scaling (not fixing) it makes a learning-rate
+        sweep move the coefficients' lr as it moves the baselines' whole-model lr."""
+        coeff_lr = self.options.coeff_lr
+        return {COEFF_KEY: float(coeff_lr) / float(self.cfg.train.lr)} if coeff_lr else {}
 
     def new_client_model(self, rnd: ClientRound, payload: NDArrays,
                          mode: str) -> tuple[nn.Module, Callable[[str], bool]]:

@@ -157,7 +157,10 @@ def train_gated(local: nn.Module, glob: nn.Module, logits: torch.Tensor, unit_in
     l_par, g_par = dict(local.named_parameters()), dict(glob.named_parameters())
     l_buf, g_buf = dict(local.named_buffers()), dict(glob.named_buffers())
     model_opt = make_optimizer([*l_par.values(), *g_par.values()], opt)
-    gate_opt = torch.optim.SGD([logits], lr=gate_lr)
+    # Alg. 2 steps the weights and the logits with one optimiser: the same kind and momentum,
+    # step size eta (gate_lr = train.lr unless strategy.gate_lr sets it; ours); no weight decay
+    # on the logits (it would pull every gate towards p = 1/2, which Alg. 2 does not do).
+    gate_opt = make_optimizer([logits], dataclasses.replace(opt, lr=gate_lr, weight_decay=0.0))
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
     step, total, correct, loss_sum = 0, 0, 0, torch.zeros((), device=device, dtype=torch.float64)

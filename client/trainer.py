@@ -248,8 +248,9 @@ class ClientTrainer:
         Sec. 6): ``ft`` fine-tunes the whole global model, ``lp`` only its classifier."""
         return ("ft", "lp")
 
-    def new_client_lrs(self) -> dict[str, float]:
-        """Parameters a new client trains with their own learning rate (none by default)."""
+    def new_client_lr_scales(self) -> dict[str, float]:
+        """Parameters a new client trains at a multiple of the swept learning rate (none by
+        default): a sweep over lrs then moves every learned parameter's lr alike."""
         return {}
 
     def adapt_new_client(self, rnd: ClientRound, groups: Mapping[str, NDArrays],
@@ -293,13 +294,13 @@ def _prefixed_eval(model: nn.Module, rnd: ClientRound, prefix: str) -> dict[str,
 
 def personalize_curve(model: nn.Module, rnd: ClientRound, trainable: Callable[[str], bool],
                       opt: OptimConfig, epochs: int,
-                      lr_of: Mapping[str, float] | None = None) -> list[dict[str, float]]:
+                      lr_scales: Mapping[str, float] | None = None) -> list[dict[str, float]]:
     """A new client's personalisation: train the ``trainable`` parameters of ``model`` for
-    ``epochs`` epochs on its train split (one optimiser throughout; ``lr_of`` gives some
-    parameters their own lr) and evaluate the validation and test splits before training
-    (epoch 0) and after every epoch."""
+    ``epochs`` epochs on its train split (one optimiser throughout; ``lr_scales`` gives some
+    parameters ``opt.lr`` times their scale) and evaluate the validation and test splits
+    before training (epoch 0) and after every epoch."""
     model = model.to(rnd.device)
-    own = dict(lr_of or {})
+    own = {name: opt.lr * float(scale) for name, scale in (lr_scales or {}).items()}
     params = [p for n, p in model.named_parameters() if trainable(n) and n not in own]
     special = [(n, p) for n, p in model.named_parameters() if trainable(n) and n in own]
     if not params and not special:
@@ -322,7 +323,8 @@ def last_and_best(curve: list[dict[str, float]]) -> dict[str, float]:
     trained = [c for c in curve if c["epoch"] >= 1] or curve
     best = max(trained, key=lambda c: (c["val_accuracy"], -c["epoch"]))
     return {"last_accuracy": trained[-1]["accuracy"], "best_accuracy": best["accuracy"],
-            "best_epoch": best["epoch"], "start_accuracy": curve[0]["accuracy"]}
+            "best_epoch": best["epoch"], "best_val_accuracy": best["val_accuracy"],
+            "start_accuracy": curve[0]["accuracy"]}
 
 
 def finetune_trainable(model: nn.Module, part: str) -> Callable[[str], bool]:

@@ -44,6 +44,7 @@ class RunKeys:
     resume: str
     overwrite: bool
     norm_bound: float
+    strategy_overrides: dict[str, list[str]]
 
     def __post_init__(self) -> None:
         check(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
@@ -57,6 +58,8 @@ class RunKeys:
         finite("norm_bound", self.norm_bound, 0.0)
         check(self.best_round_by in ("mean", "weighted"), "best_round_by must be mean (over clients) or "
               f"weighted (by validation size), got {self.best_round_by!r}")
+        bad = [o for extra in self.strategy_overrides.values() for o in extra if "=" not in o]
+        check(not bad, f"strategy_overrides holds KEY=VALUE overrides per strategy name, got {bad}")
         check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
               f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -125,7 +128,7 @@ class PersonalizeSettings:
     """``personalize``: the new-client protocol of ``pflower personalize``."""
 
     epochs: int
-    lr: float
+    lr: float | None
     lrs: tuple[float, ...]
     sizes: dict[str, float]
     batch_size: int
@@ -134,7 +137,8 @@ class PersonalizeSettings:
 
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"personalize.epochs must be >= 1, got {self.epochs}")
-        check(self.lr > 0 and all(lr > 0 for lr in self.lrs), "personalize.lr and personalize.lrs must be > 0")
+        check((self.lr is None or self.lr > 0) and bool(self.lrs) and all(lr > 0 for lr in self.lrs),
+              "personalize.lr must be null or > 0 and personalize.lrs a non-empty list of numbers > 0")
         check(bool(self.sizes) and all(0 < s <= 1 for s in self.sizes.values()),
               f"personalize.sizes must be shares in (0, 1], got {self.sizes}")
         check(self.batch_size >= 1, f"personalize.batch_size must be >= 1, got {self.batch_size}")

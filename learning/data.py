@@ -129,8 +129,14 @@ def apply_domain_transform(x: torch.Tensor, name: str, seed: int) -> torch.Tenso
     )
 
 
-def _normalise(x: torch.Tensor) -> torch.Tensor:
-    return (x - 0.5) / 0.5
+INPUT_RANGES = ("symmetric", "unit")
+
+
+def _normalise(x: torch.Tensor, input_range: str) -> torch.Tensor:
+    """Images in [0, 1] to the model's input range: ``symmetric`` = (x - 0.5) / 0.5, in [-1, 1]
+    (pflower's default); ``unit`` keeps [0, 1] (what ``ToTensor`` gives, as FEDORA's authors
+    feed their Rotated MNIST; it changes how fast a model trains, so a reproduction uses it)."""
+    return x if input_range == "unit" else (x - 0.5) / 0.5
 
 
 # --------------------------------------------------------------------------- sources
@@ -494,8 +500,10 @@ class DatasetConfig:
     samples_per_client: int
     image_size: int
     split: str
+    pflbed_new_fraction: float
     augment: str
     preprocess: str
+    input_range: str
     imbalanced_client: int
     imbalance_factor: int
     synthetic: bool
@@ -510,6 +518,10 @@ class DatasetConfig:
         one_of("dataset.split", self.split, ("per-client", "pflbed"), DatasetError)
         one_of("dataset.augment", self.augment, AUGMENTS, DatasetError)
         one_of("dataset.preprocess", self.preprocess, PREPROCESSING, DatasetError)
+        one_of("dataset.input_range", self.input_range, INPUT_RANGES, DatasetError)
+        check(self.input_range == "symmetric" or self.source != "imagefolder",
+              "dataset.input_range=unit applies to array sources (digits, MNIST, CIFAR, ...); image folders "
+              "are normalised by dataset.preprocess; use dataset.input_range=symmetric", DatasetError)
         check(self.preprocess == "plain" or self.source == "imagefolder",
               f"dataset.preprocess={self.preprocess} applies to image folders (dataset.source=imagefolder), "
               f"got source {self.source!r}; use dataset.preprocess=plain", DatasetError)
@@ -524,6 +536,8 @@ class DatasetConfig:
               and self.val_fraction + self.test_fraction < 1,
               f"dataset.val_fraction and dataset.test_fraction must be in [0, 1) and (0, 1) with a sum "
               f"below 1, got {self.val_fraction} and {self.test_fraction}", DatasetError)
+        check(0.0 <= self.pflbed_new_fraction < 1.0, f"dataset.pflbed_new_fraction must be in [0, 1), got "
+              f"{self.pflbed_new_fraction}", DatasetError)
         check(self.imbalance_factor >= 1, f"dataset.imbalance_factor must be >= 1, got {self.imbalance_factor}",
               DatasetError)
         if self.synthetic:
@@ -572,7 +586,7 @@ def _imagefolder_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) ->
 def _digit_sources_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
     pools, ids = [], []
     for x, y, sample_ids in _digit_source_pools(domains, rng_seed):
-        pools.append((TensorDataset(_normalise(x), torch.as_tensor(y)), y))
+        pools.append((TensorDataset(_normalise(x, cfg.input_range), torch.as_tensor(y)), y))
         ids.append(sample_ids)
     return Pools(pools, ids, 10, (3, 28, 28))
 
@@ -592,7 +606,7 @@ def _array_pools(load: Callable[[DatasetConfig], tuple[torch.Tensor, np.ndarray]
         for d, (name, idx) in enumerate(zip(domains, split_among_domains(len(y), len(domains), rng_seed),
                                             strict=True)):
             xd = apply_domain_transform(x[idx], name, seed=rng_seed + d)
-            out.append((TensorDataset(_normalise(xd), torch.as_tensor(y[idx])), y[idx]))
+            out.append((TensorDataset(_normalise(xd, cfg.input_range), torch.as_tensor(y[idx])), y[idx]))
             ids.append(np.asarray(idx))
         return Pools(out, ids, num_classes or int(y.max()) + 1, (int(x.shape[1]), int(x.shape[2]), int(x.shape[3])))
 
@@ -766,7 +780,8 @@ def _pflbed_splits(cfg: DatasetConfig, labels: np.ndarray, per_domain: int, new_
                            "set dataset.partition=dirichlet")
     try:
         trains, news, val, test = pflbed_split(
-            labels, per_domain, new_per_domain, cfg.val_fraction, cfg.test_fraction, cfg.dirichlet_alpha, seed)
+            labels, per_domain, new_per_domain, cfg.val_fraction, cfg.test_fraction, cfg.dirichlet_alpha, seed,
+            new_fraction=cfg.pflbed_new_fraction)
     except PartitionError as err:
         raise DatasetError(f"domain {domain!r}: {err}") from err
     return [(tr, val, test) for tr in [*trains, *news]]

@@ -15,12 +15,13 @@ For a layer with S inputs and T outputs and the expansion factor G::
                                             map (GhostNet style); b = optional shared bias
     out = ReLU( BN_DFE(z) )                 BN_DFE over T channels              (shared)
 
-Choices (paper default, authors' code as option):
+Choices (the config's default is the authors' code, which produced the published tables; the
+paper's text is the option; the keyword defaults of these classes are the paper's):
 
-* ``dse_activation="relu"`` (paper Eq. 3 / Table A7: ReLU after BN_DSE). The authors' code
-  uses no activation there by default (``"none"``; ``"leaky_relu"`` is its other option).
-* ``out_bias=False`` (paper). The code adds a shared bias ``dfe_bias`` after the concat
-  (``out_bias=True``).
+* ``dse_activation``: ``"none"`` in the authors' code (config default); ``"relu"`` after
+  BN_DSE in the paper (Eq. 3 / Table A7); ``"leaky_relu"`` is the code's other option.
+* ``out_bias``: the code adds a shared bias ``dfe_bias`` after the concat (``True``, config
+  default); the paper has none (``False``).
 * The depthwise conv has no bias (code; GhostNet). Its padding is ``dw // 2``.
 * Channel order of the concat is [x1, x2] (code), truncated to T channels if G does not
   divide T (paper: the cheap conv outputs T - ceil(T/G) channels).
@@ -246,7 +247,7 @@ class FDSEAlexNet(nn.Module):
     compared layer for layer on tiny images (e.g. 8x8 digits).
     ``width`` scales all conv channels and the hidden width (``hidden``, paper 1024; FedBN's
     AlexNet uses 4096). ``conv_padding`` is the padding of conv3-5 (paper 1; the authors'
-    code leaves it at 0). Other options are passed to every block.
+    code leaves it at 0; ``None``: 0 with the paper stem, 1 with the small stems). Other options are passed to every block.
     """
 
     def __init__(
@@ -262,7 +263,7 @@ class FDSEAlexNet(nn.Module):
         pool_size: int = 6,
         dse_activation: str = "relu",
         out_bias: bool = False,
-        conv_padding: int = 1,
+        conv_padding: int | None = 1,
     ) -> None:
         super().__init__()
         if num_classes < 1 or in_channels < 1:
@@ -294,7 +295,9 @@ class FDSEAlexNet(nn.Module):
                 return nn.Identity()
 
         k2, p2 = (3, 1) if stem == "alexnet-bn-small" else (5, 2)
-        p = conv_padding
+        # None: the authors' 0 with the paper's stem; 1 with the small stems (ours, for inputs of
+        # 8-32 px, whose maps are 2-8 px there: a 3x3 conv without padding would collapse them)
+        p = conv_padding if conv_padding is not None else (0 if stem == "paper" else 1)
         self.features = nn.Sequential(
             OrderedDict(
                 [
@@ -609,13 +612,14 @@ class FDSEAlexNetConfig:
     pool_size: int
     dse_activation: str
     out_bias: bool
-    conv_padding: int
+    conv_padding: int | None
 
     def __post_init__(self) -> None:
         check(self.G >= 1 and self.dw_size >= 1 and self.hidden >= 1 and self.pool_size >= 1,
               "model.G, model.dw_size, model.hidden and model.pool_size must be >= 1")
         finite("model.width", self.width, 0.0, strict=True)
-        check(self.conv_padding >= 0, f"model.conv_padding must be >= 0, got {self.conv_padding}")
+        check(self.conv_padding is None or self.conv_padding >= 0,
+              f"model.conv_padding must be null or >= 0, got {self.conv_padding}")
 
 
 @dataclass(frozen=True)

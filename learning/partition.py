@@ -142,16 +142,17 @@ def split_among_domains(n: int, num_domains: int, seed: int) -> list[np.ndarray]
 
 
 def pflbed_split(labels: np.ndarray, num_clients: int, num_new: int, val_fraction: float,
-                 test_fraction: float, dirichlet_alpha: float, seed: int
+                 test_fraction: float, dirichlet_alpha: float, seed: int, new_fraction: float = 0.2
                  ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
     """One domain under PFLBED (FedBasis, Sec. 5): ``(client trains, new-client trains,
     shared val, shared test)``, indices into ``labels``.
 
     First a class-balanced test set and validation set, shared by every client of the
     domain (per class ``round(fraction x n / classes)`` samples, fewer where a class has
-    fewer); the rest is split, class-stratified, between participating and new clients in
-    proportion to their numbers, and each part across its clients by Dirichlet(alpha)
-    over classes (flwr-datasets, via :func:`partition_indices`)."""
+    fewer); the rest is split, class-stratified, between participating and new clients, the
+    new clients getting ``new_fraction`` of the whole domain (the paper's 60/20/5/15:
+    participating/new/validation/test, so 0.2), and each part across its clients by
+    Dirichlet(alpha) over classes (flwr-datasets, via :func:`partition_indices`)."""
     labels = np.asarray(labels)
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
@@ -166,7 +167,11 @@ def pflbed_split(labels: np.ndarray, num_clients: int, num_new: int, val_fractio
         test.append(idx[:t])
         val.append(idx[t:t + v])
         rest.append(idx[t + v:])
-    new_share = num_new / (num_clients + num_new)
+    rest_fraction = 1.0 - val_fraction - test_fraction
+    if num_new > 0 and not 0.0 < new_fraction < rest_fraction:
+        raise PartitionError(f"the new clients' share of a domain must be in (0, {rest_fraction:g}) (what validation "
+                             f"and test leave), got {new_fraction}; set dataset.pflbed_new_fraction")
+    new_share = new_fraction / rest_fraction if num_new > 0 else 0.0   # of what the val and test sets leave
     part_pool, new_pool = [], []
     for idx in rest:
         k = int(round(new_share * len(idx)))

@@ -4,12 +4,12 @@
     pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
     pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
-    pflower personalize RUN_DIR [RUN_DIR ...] [--lr LR ...] [--sizes S=0.25,M=0.5,L=1] [--epochs E]
+    pflower personalize RUN_DIR [RUN_DIR ...] [--lr LR ...] [--sizes S=0.5,M=1] [--epochs E]
     pflower personalize --adapt RUN_DIR [...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
     pflower adapt RUN_DIR [...]          # = personalize --adapt
 
 A FedBasis run whose dataset has new clients is followed by their personalisation at
-``personalize.lr`` (``new_client_accuracy_*`` in its summary.json).
+``personalize`` (``new_client_accuracy_*`` in its summary.json).
 
 ``run`` validates the config before anything starts, runs the Flower simulation through
 ``flwr run`` against a private SuperLink, stops every process it started, and exits
@@ -281,15 +281,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         settings = cfg.personalize
         try:
-            personalize_run(run_dir, lrs=[float(settings.lr)],
-                            sizes={"L": max(float(v) for v in settings.sizes.values())})
+            personalize_run(run_dir, lrs=list(settings.lrs) if settings.lr is None else [float(settings.lr)],
+                            sizes=dict([max(settings.sizes.items(), key=lambda item: float(item[1]))]))
         except (ValueError, FileNotFoundError, RuntimeError) as err:
             print(f"pflower: the run completed, but personalising its new clients failed: {err}; "
                   f"retry with: pflower personalize {run_dir}", file=sys.stderr)
             return 1
     s = json.loads(summary.read_text())
     if "new_client_accuracy_mean" in s:
-        print(f"pflower: new clients (personalised, {cfg.personalize.epochs} epochs at lr {cfg.personalize.lr}): "
+        how = s.get("new_client_protocol", {})
+        print(f"pflower: new clients (personalised, {cfg.personalize.epochs} epochs at lr {how.get('lr')}, "
+              f"{how.get('lr_selected_by', 'fixed')}): "
               f"accuracy mean {s['new_client_accuracy_mean']:.4f} min {s['new_client_accuracy_min']:.4f}")
     return report_done(s, summary)
 

@@ -12,7 +12,9 @@ The client side is the method's own trainer (``ClientTrainer.new_client_model`` 
 :func:`client.trainer.personalize_curve`), so this is the client's code, run by an
 operator on data the server never holds. Writes ``<run>/new_clients.json`` and adds
 ``new_client_accuracy_{mean,min}`` (last epoch) and ``new_client_accuracy_best_{mean,min}``
-at ``personalize.lr`` and the largest size to ``<run>/summary.json``.
+at the largest size to ``<run>/summary.json``, at the learning rate Table 2 uses: the one of
+``personalize.lrs`` whose best-epoch validation accuracy, averaged over the new clients, is
+highest (``personalize.lr: null``; a number fixes it instead).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
                                       input_shape=data.input_shape, device=device, server_round=last_round + 1)
                     model, trainable = trainer.new_client_model(rnd, payload, mode)
                     curve = personalize_curve(model, rnd, trainable, dataclasses.replace(opt, lr=lr), epochs,
-                                              trainer.new_client_lrs())
+                                              trainer.new_client_lr_scales())
                     per_mode.setdefault(mode, {}).setdefault(size, {})[str(lr)] = {
                         **last_and_best(curve), "num_train": len(part.train),
                         "test_curve": [c["accuracy"] for c in curve]}
@@ -97,8 +99,10 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
                         "momentum": opt.momentum, "weight_decay": opt.weight_decay, "round": last_round},
            "summary": table, "clients": results}
     (run / "new_clients.json").write_text(json.dumps(out, indent=2))
-    lr = float(settings["lr"]) if float(settings["lr"]) in lrs else lrs[0]
-    update_summary(run, table, trainer.new_client_modes()[0], str(lr), max(sizes, key=lambda s: float(sizes[s])))
+    mode, size = trainer.new_client_modes()[0], max(sizes, key=lambda s: float(sizes[s]))
+    fixed = settings["lr"]
+    lr = str(float(fixed)) if fixed is not None and float(fixed) in lrs else select_lr(table[mode][size])
+    update_summary(run, table, mode, lr, size, selected=fixed is None or float(fixed) not in lrs)
     return out
 
 
@@ -142,13 +146,23 @@ def summarise(results: Mapping[str, Any]) -> dict[str, Any]:
     for (mode, size, lr), ms in cells.items():
         last = np.array([m["last_accuracy"] for m in ms])
         best = np.array([m["best_accuracy"] for m in ms])
+        val = np.array([m["best_val_accuracy"] for m in ms])
         table.setdefault(mode, {}).setdefault(size, {})[lr] = {
             "last_mean": float(last.mean()), "last_min": float(last.min()),
-            "best_mean": float(best.mean()), "best_min": float(best.min()), "clients": len(ms)}
+            "best_mean": float(best.mean()), "best_min": float(best.min()),
+            "best_val_mean": float(val.mean()), "clients": len(ms)}
     return table
 
 
-def update_summary(run: Path, table: Mapping[str, Any], mode: str, lr: str, size: str) -> None:
+def select_lr(by_lr: Mapping[str, Mapping[str, float]]) -> str:
+    """FedBasis' Table 2: the learning rate "selected from {0.005, 0.01, 0.05}", here by the new
+    clients' mean validation accuracy at their best epoch (test data never choose it; the
+    first listed wins a tie)."""
+    return max(by_lr, key=lambda lr: (by_lr[lr]["best_val_mean"], -list(by_lr).index(lr)))
+
+
+def update_summary(run: Path, table: Mapping[str, Any], mode: str, lr: str, size: str,
+                   selected: bool = False) -> None:
     path = run / "summary.json"
     if not path.exists():
         return
@@ -159,7 +173,8 @@ def update_summary(run: Path, table: Mapping[str, Any], mode: str, lr: str, size
         summary.update({"new_client_accuracy_mean": cell["last_mean"], "new_client_accuracy_min": cell["last_min"],
                         "new_client_accuracy_best_mean": cell["best_mean"],
                         "new_client_accuracy_best_min": cell["best_min"],
-                        "new_client_protocol": {"mode": mode, "lr": float(lr), "size": size}})
+                        "new_client_protocol": {"mode": mode, "lr": float(lr), "size": size,
+                                                "lr_selected_by": "validation" if selected else "fixed"}})
     path.write_text(json.dumps(summary, indent=2))
 
 
@@ -170,7 +185,7 @@ def _sizes(text: str) -> dict[str, float]:
         try:
             out[name.strip()] = float(share)
         except ValueError as err:
-            raise argparse.ArgumentTypeError(f"--sizes takes NAME=SHARE,... (e.g. S=0.25,M=0.5,L=1), got {text!r}") from err
+            raise argparse.ArgumentTypeError(f"--sizes takes NAME=SHARE,... (e.g. S=0.5,M=1), got {text!r}") from err
         if not 0 < out[name.strip()] <= 1:
             raise argparse.ArgumentTypeError(f"--sizes: a share is a fraction of the train split in (0, 1], got {item!r}")
     return out
@@ -225,7 +240,7 @@ def add_parser(sub: Any) -> None:
                    help="label-free adaptation (FDSE, Algorithm 3) instead of supervised personalisation")
     p.add_argument("--lr", type=float, nargs="+", default=None, help="learning rates (default: personalize.lrs; "
                    "--adapt: one, default strategy.adapt_lr)")
-    p.add_argument("--sizes", type=_sizes, default=None, help="train-split shares, e.g. S=0.25,M=0.5,L=1")
+    p.add_argument("--sizes", type=_sizes, default=None, help="train-split shares, e.g. S=0.5,M=1")
     p.add_argument("--epochs", type=int, default=None)
     _adapt_options(p)
     p.set_defaults(func=cmd_personalize)

@@ -17,7 +17,7 @@ BASE = {
     "dirichlet_alpha": 0.5, "shards_per_client": 2, "val_fraction": 0.2, "test_fraction": 0.2,
     "samples_per_client": 0, "image_size": 0, "split": "per-client", "augment": "none",
     "imbalanced_client": -1, "imbalance_factor": 1, "synthetic": False, "synthetic_classes": 0,
-    "synthetic_samples": [], "synthetic_channels": 3, "synthetic_size": 0, "preprocess": "plain",
+    "synthetic_samples": [], "synthetic_channels": 3, "synthetic_size": 0, "preprocess": "plain", "input_range": "symmetric", "pflbed_new_fraction": 0.2,
 }
 
 

@@ -304,10 +304,20 @@ def test_table1_experiments_compose(exp, lam, tau, beta, lr, epochs, tmp_path):
     assert (cfg.strategy.name, cfg.model.name, cfg.rounds) == ("fdse", "fdse-alexnet", 500)
     assert (cfg.strategy.lam, cfg.strategy.tau, cfg.strategy.beta) == (lam, tau, beta)
     assert (cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size) == (lr, epochs, 50)
-    assert (cfg.train.weight_decay, cfg.train.clip, cfg.train.lr_decay) == (1e-3, 10.0, 0.998)
+    # the authors' optimiser and code forms (their FLGo configs), not the paper's text
+    assert (cfg.train.weight_decay, cfg.train.clip, cfg.train.lr_decay) == (1e-3, 10.0, 0.9998)
+    assert cfg.train.momentum == 0.0
+    assert cfg.strategy.consistency_form == "code"
+    assert (cfg.model.dse_activation, cfg.model.out_bias, cfg.model.conv_padding) == ("none", True, None)
     assert cfg.dataset.clients_per_domain == 1 and cfg.fraction_train == 1.0
     model = build_model(cfg.model, (3, 256, 256), 10)
     assert model.stem == "paper"
+    # the authors' padding 0 on conv3-5 at paper size; 1 with the small stem (8 px digits)
+    paddings = {n: m.padding for n, m in model.named_modules() if n.endswith("dfe_conv") and n[-10] in "345"}
+    assert paddings == {f"features.conv{i}.dfe_conv": (0, 0) for i in (3, 4, 5)}
+    small = build_model(cfg.model, (1, 8, 8), 10)
+    assert small.stem == "small" and small.features.conv3.dfe_conv.padding == (1, 1)
+    assert small(torch.randn(2, 1, 8, 8)).shape == (2, 10)
 
 
 def test_digits_experiment_composes(setup):

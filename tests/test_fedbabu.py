@@ -117,7 +117,9 @@ def setup():
     cfg = compose_config(
         {"strategy": "fedbabu", "dataset": "digits-shards", "rounds": "3"},
         ["dataset.clients_per_domain=3", "train.weight_decay=5e-4", "train.momentum=0.9",
-         "finetune.epochs=1", "finetune.curve=true", "finetune.curve_epochs=[0,1,2]"],
+         "finetune.epochs=1", "finetune.curve=true", "finetune.curve_epochs=[0,1,2]",
+         # the paper's text (the defaults are the authors' code: see the test after the drive)
+         "strategy.weighted=true", "strategy.head_init=orthogonal"],
     )
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     return cfg, data
@@ -138,7 +140,7 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     head0 = {k: v.copy() for k, v in strategy.head.items()}
     assert sorted(head0) == sorted(HEAD_KEYS)
     w = head0["head.weight"].astype(np.float64)
-    np.testing.assert_allclose(w @ w.T, np.eye(w.shape[0]), atol=1e-5)  # orthogonal by default
+    np.testing.assert_allclose(w @ w.T, np.eye(w.shape[0]), atol=1e-5)  # orthogonal (the paper's option)
     body0, _ = split_head(strategy.global_arrays, strategy.head_keys)
     full_bytes = num_bytes(strategy.global_arrays)
     states: dict[str, dict] = {c: {} for c in data.client_ids}
@@ -197,11 +199,13 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     assert strategy.train_config[HEAD_DIGEST_KEY] == head_digest(head0)
 
 
-def test_unweighted_option_and_default_head_init(setup):
+def test_defaults_are_the_authors_code_plain_mean_and_default_head_init(setup):
+    """The authors' federated code: PyTorch's nn.Linear head init and a plain mean of the
+    bodies, whatever the client sizes (the paper's text, weighted and orthogonal, is the option)."""
     cfg, data = setup
     cfg2 = compose_config({"strategy": "fedbabu", "dataset": "digits-shards", "rounds": "3"},
-                          ["dataset.clients_per_domain=3", "strategy.weighted=false",
-                           "strategy.head_init=default"])
+                          ["dataset.clients_per_domain=3"])
+    assert (cfg2.strategy.weighted, cfg2.strategy.head_init) == (False, "default")
     strategy = build_strategy(cfg2, data)
     torch.manual_seed(int(cfg2.seed))
     from learning.models import build_model
@@ -231,7 +235,7 @@ def test_fedprox_body_only_freezes_head(setup):
     res = trainer.fit(_rnd(cfg2, data, "0", 1, {}), payload, {})
     assert not set(res.upload) & set(HEAD_KEYS)
     assert not np.array_equal(res.upload["features.0.weight"], payload["features.0.weight"])
-    for k in HEAD_KEYS:  # the head is FedBABU's fixed orthogonal head and stays bitwise fixed
+    for k in HEAD_KEYS:  # the head is FedBABU's fixed head and stays bitwise fixed
         np.testing.assert_array_equal(res.state["head/" + k], strategy.head[k])
     plain = compose_config({"strategy": "fedprox"})
     assert trainer_class("fedprox", plain.strategy) is FedProxTrainer

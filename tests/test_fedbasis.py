@@ -222,6 +222,29 @@ def test_new_client_personalisation_changes_only_its_logits_and_classifier(data,
         assert learned == {COEFF_KEY} and model.head_override is None
 
 
+@pytest.mark.parametrize("swept", [0.005, 0.05])
+def test_the_lr_sweep_moves_the_coefficients_lr_like_the_classifiers(data, monkeypatch, swept: float) -> None:
+    """Like for like with FedAvg+FT's whole-model sweep: at each swept lr the logits learn at
+    swept x coeff_lr / train.lr (the training ratio), the classifier at the swept lr itself."""
+    import client.trainer as ct
+
+    cfg = _cfg("strategy.coeff_lr=1.0", "train.lr=0.05")
+    trainer = FedBasisTrainer(cfg)
+    assert trainer.new_client_lr_scales() == {COEFF_KEY: pytest.approx(20.0)}
+    rnd = _rnd(cfg, data, cid="new-0")
+    model, trainable = trainer.new_client_model(rnd, _payload(trainer.new_model(rnd)), "basis")
+    seen = []
+    real = ct.make_optimizer
+    monkeypatch.setattr(ct, "make_optimizer", lambda params, opt: seen.append(real(params, opt)) or seen[-1])
+    personalize_curve(model, rnd, trainable, OptimConfig(lr=swept, batch_size=16, momentum=0.9), 1,
+                      trainer.new_client_lr_scales())
+    groups = seen[0].param_groups
+    coeff = next(p for n, p in model.named_parameters() if n == COEFF_KEY)
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert lr_of[id(coeff)] == pytest.approx(swept * 20.0)
+    assert {lr for key, lr in lr_of.items() if key != id(coeff)} == {swept}
+
+
 # ---------------------------------------------------------------- server
 def _update(cid: str, arrays: dict[str, np.ndarray], n: int, metrics: dict[str, float] | None = None) -> ClientUpdate:
     return ClientUpdate(client_id=cid, node_id=int(cid) + 1, arrays=arrays, num_examples=n, metrics=metrics or {})
@@ -251,8 +274,10 @@ def test_warm_up_sends_one_model_then_seeds_the_bases_from_the_clients(data) -> 
     strategy.aggregate_updates(2, updates)
     assert strategy.seeded and strategy.switch["round"] == 2
     key = "features.0.weight"
-    fedavg = sum(n * m[MAJOR_PREFIX + key].astype(np.float64) for m, n in zip(models, [10, 30, 20, 40], strict=True)) / 100
-    np.testing.assert_allclose(strategy.global_arrays[MAJOR_PREFIX + key], fedavg, rtol=1e-5)
+    # the warm-up average follows strategy.weighted too: uniform by default
+    fedavg = sum(m[MAJOR_PREFIX + key].astype(np.float64) for m in models) / 4
+    np.testing.assert_allclose(strategy.global_arrays[MAJOR_PREFIX + key], fedavg, rtol=1e-5,
+                               atol=1e-6)   # float32 mean of +-10 shifts: cancellation ~2e-7
     groups = [strategy.switch["assignment"][c] for c in "0123"]
     assert groups[0] == groups[1] != groups[2] == groups[3]
     for j in range(2):
@@ -263,8 +288,12 @@ def test_warm_up_sends_one_model_then_seeds_the_bases_from_the_clients(data) -> 
     assert COEFF_KEY not in strategy.payload_for("0")
 
 
-def test_each_basis_is_averaged_over_the_clients(data) -> None:
-    strategy = _strategy(data, "strategy.num_bases=2", "strategy.warm_fraction=0")
+@pytest.mark.parametrize("weighted", [None, True])
+def test_each_basis_is_averaged_over_the_clients(data, weighted: bool | None) -> None:
+    """Default: the paper's uniform mean (1/M) sum_m V_m (Eq. 7, 9); strategy.weighted=true
+    weighs by client size. Sizes differ so that the two cannot agree by chance."""
+    extra = [] if weighted is None else [f"strategy.weighted={str(weighted).lower()}"]
+    strategy = _strategy(data, "strategy.num_bases=2", "strategy.warm_fraction=0", *extra)
     sent = strategy.payload_for("0")
     rng = np.random.default_rng(1)
     uploads = [{k: (rng.normal(size=v.shape)).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
@@ -277,7 +306,7 @@ def test_each_basis_is_averaged_over_the_clients(data) -> None:
             continue
         expected = np.zeros(sent[key].shape)
         for u, n in zip(uploads, sizes, strict=True):
-            expected += n / sum(sizes) * u[key].astype(np.float64)
+            expected += (n / sum(sizes) if weighted else 1 / len(uploads)) * u[key].astype(np.float64)
         np.testing.assert_allclose(strategy.global_arrays[key], expected, rtol=1e-5, atol=1e-6, err_msg=key)
     diag = strategy.diagnostics[1]
     assert math.isclose(diag["coeff_entropy"], math.log(2), rel_tol=1e-9)
@@ -440,6 +469,23 @@ def test_pflbed_split_shares_a_class_balanced_test_set_per_domain() -> None:
     np.testing.assert_allclose(c.class_weights, hist / hist.sum())
 
 
+@pytest.mark.parametrize("new_fraction", [0.2, 0.1])
+def test_pflbed_shares_are_the_papers_60_20_5_15(new_fraction: float) -> None:
+    """Participating/new/validation/test = 60/20/5/15 per domain by default (paper Sec. 5),
+    whatever the client counts (20 + 10 here, whose ratio would give 53.3/26.7)."""
+    from learning.partition import pflbed_split
+
+    labels = np.repeat(np.arange(10), 300)                      # 3,000 samples of one domain
+    trains, news, val, test = pflbed_split(labels, 20, 10, 0.05, 0.15, 0.3, seed=0, new_fraction=new_fraction)
+    n = len(labels)
+    shares = [sum(map(len, trains)) / n, sum(map(len, news)) / n, len(val) / n, len(test) / n]
+    np.testing.assert_allclose(shares, [0.8 - new_fraction, new_fraction, 0.05, 0.15], atol=0.005)
+    everything = np.concatenate([*trains, *news, val, test])
+    assert len(everything) == len(set(everything.tolist())) == n  # disjoint and complete
+    cfg = compose_config({}, ["experiment=fedbasis-pacs", "dataset.synthetic=true"])
+    assert cfg.dataset.pflbed_new_fraction == 0.2 and not cfg.strategy.weighted
+
+
 def test_weighted_accuracy_weighs_each_test_sample_by_the_train_label_share() -> None:
     from torch.utils.data import TensorDataset
 
@@ -466,3 +512,25 @@ def test_personalize_names_a_missing_run_or_checkpoint(tmp_path, capsys) -> None
     (tmp_path / "config.yaml").write_text("strategy: {name: fedbasis}\n")
     assert main(["personalize", str(tmp_path)]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_table2_headline_lr_is_selected_by_validation_not_test() -> None:
+    """FedBasis' Table 2 selects the lr from {0.005, 0.01, 0.05}: by the new clients' mean
+    validation accuracy at their best epoch. Here 0.05 has the best test accuracy and 0.01 the
+    best validation accuracy: 0.01 must be chosen; a tie goes to the first listed."""
+    from client.trainer import last_and_best
+    from ops.personalize import select_lr, summarise
+
+    def curve(val: list[float], test: list[float]) -> list[dict[str, float]]:
+        return [{"epoch": e, "val_accuracy": v, "accuracy": t} for e, (v, t) in enumerate(zip(val, test, strict=True))]
+
+    per_lr = {"0.005": ([0.1, 0.3, 0.4], [0.1, 0.3, 0.4]), "0.01": ([0.1, 0.8, 0.7], [0.1, 0.5, 0.5]),
+              "0.05": ([0.1, 0.6, 0.5], [0.1, 0.9, 0.9])}
+    results = {c: {"results": {"ft": {"M": {lr: last_and_best(curve(v, t)) for lr, (v, t) in per_lr.items()}}}}
+               for c in ("a", "b")}
+    table = summarise(results)
+    assert table["ft"]["M"]["0.01"]["best_val_mean"] == 0.8 and table["ft"]["M"]["0.01"]["best_mean"] == 0.5
+    assert select_lr(table["ft"]["M"]) == "0.01"
+    assert select_lr({"0.1": {"best_val_mean": 0.5}, "0.2": {"best_val_mean": 0.5}}) == "0.1"
+    cfg = compose_config({}, ["experiment=fedbasis-pacs", "dataset.synthetic=true"])
+    assert dict(cfg.personalize.sizes) == {"S": 0.5, "M": 1.0} and cfg.personalize.lr is None

@@ -216,6 +216,35 @@ def test_logits_change_only_on_strategy_batches_and_weights_only_on_model_batche
     assert strategy_moved >= 1
 
 
+def test_logits_and_weights_step_with_one_optimiser(data, monkeypatch):
+    """Alg. 2 has one optimiser: the logits' steps use the model's kind and momentum at the
+    step size eta (gate_lr), without weight decay; checked on the optimisers train_gated makes
+    and on the logits' second step, which carries the first one's momentum."""
+    import client.partialfed as pf
+
+    made = []
+    real = pf.make_optimizer
+
+    def spy(params, opt):
+        optimiser = real(params, opt)
+        made.append(optimiser)
+        return optimiser
+
+    monkeypatch.setattr(pf, "make_optimizer", spy)
+    local, glob, names, index = _two_copies()
+    logits = torch.zeros(len(names), 2, requires_grad=True)
+    opt = OptimConfig(lr=0.1, batch_size=8, momentum=0.9, weight_decay=5e-4, epochs=1)
+    train_gated(local, glob, logits, index, data.client("0").train, opt, torch.device("cpu"), tau=1.0,
+                model_batches=1, strategy_batches=1, gate_lr=0.3, seed=0)
+    model_opt, gate_opt = made
+    assert type(model_opt) is type(gate_opt) is torch.optim.SGD
+    group = gate_opt.param_groups[0]
+    assert group["params"][0] is logits
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.3, 0.9, 0.0)
+    assert model_opt.param_groups[0]["momentum"] == 0.9
+    assert "momentum_buffer" in gate_opt.state[logits]           # the logits did step with momentum
+
+
 def test_unchosen_copy_never_moves(data):
     """Logits strongly favouring local (and a cold temperature): the global copy gets no
     update at all, not even from weight decay or momentum."""
