@@ -49,7 +49,7 @@ from client.trainer import ClientRound, ClientTrainer, LocalRound
 from common.options import FEDORAOptions
 from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays, set_arrays
-from learning.training import LossTerm, decoupled_proximal_step, evaluate
+from learning.training import DecoupledProximal, LossTerm, evaluate, make_loader
 from strategies.fedora_math import data_subspace_basis, selective_lambda
 
 BASIS_STATE = "fedora/basis"
@@ -80,8 +80,8 @@ class FEDORATrainer(ClientTrainer):
             return np.asarray(state[BASIS_STATE])
         xs, ys = [], []
         for x, y in DataLoader(rnd.data.train, batch_size=512, shuffle=False):
-            if self.options.basis_inputs == "unit":   # undo learning.data's (x - 0.5) / 0.5
-                x = x * 0.5 + 0.5
+            if self.options.basis_inputs == "unit" and rnd.cfg.dataset.input_range == "symmetric":
+                x = x * 0.5 + 0.5   # undo learning.data's (x - 0.5) / 0.5
             xs.append(x.reshape(len(x), -1).numpy())
             ys.append(y.numpy())
         if not xs:
@@ -99,10 +99,24 @@ class FEDORATrainer(ClientTrainer):
         if len(rnd.data.val) == 0:
             raise ValueError(f"client {rnd.client_id} has an empty validation split; FEDORA's "
                              "selective lambda needs one (set dataset.val_fraction > 0)")
-        own_loss = evaluate(own, rnd.data.val, rnd.device)["loss"]
-        hat_loss = evaluate(hat, rnd.data.val, rnd.device)["loss"]
+        own_loss, hat_loss = self.validation_loss(rnd, own), self.validation_loss(rnd, hat)
         lam = selective_lambda(own_loss, hat_loss, self.options.eps, self.options.lambda_form)
         return min(lam, self.lambda_bound(rnd)), own_loss, hat_loss
+
+    def validation_loss(self, rnd: ClientRound, model: nn.Module) -> float:
+        """The code form: as the authors' ``get_loss`` sums it, the per-batch mean losses over
+        the validation split in batches of ``train.batch_size``, in order (their ``val_loader``;
+        the same as the mean when the split fits in one batch, as their 64 validation images in
+        batches of 64 do). The paper form: the mean over the split's samples."""
+        if self.options.lambda_form != "code":
+            return evaluate(model, rnd.data.val, rnd.device)["loss"]
+        model.to(rnd.device).eval()
+        total = torch.zeros((), dtype=torch.float64, device=rnd.device)
+        with torch.no_grad():
+            for x, y in make_loader(rnd.data.val, int(self.cfg.train.batch_size), shuffle=False, device=rnd.device):
+                logits = model(x.to(rnd.device))
+                total += nn.functional.cross_entropy(logits, y.to(rnd.device)).to(torch.float64)
+        return float(total)
 
     def lambda_bound(self, rnd: ClientRound) -> float:
         """``strategy.lambda_max``: ``auto`` = 1 / (2 lr) of this round, so that the gradient
@@ -131,14 +145,15 @@ class FEDORATrainer(ClientTrainer):
 
     def after_step(self, work: LocalRound) -> Callable[[nn.Module], None] | None:
         """``penalty=decoupled`` (the authors' code): after each SGD step,
-        ``theta <- theta - lr * lambda * (theta - theta_hat)``, outside momentum."""
+        ``theta <- theta - lr * lambda * (theta_0 - theta_hat)`` with ``theta_0`` the weights
+        before the step, outside momentum."""
         lam = work.scratch["lambda"]
         if self.options.penalty != "decoupled" or lam <= 0:
             return None
         params = dict(work.model.named_parameters())
         target = {k: torch.as_tensor(v) for k, v in work.payload.items() if k in params}
         lr = self.optim(work.rnd).lr
-        return lambda model: decoupled_proximal_step(model, target, lr, lam)
+        return DecoupledProximal(work.model, target, lr, lam)
 
     def train(self, work: LocalRound) -> dict[str, float]:
         hat = self.reference_models(work.rnd, work.payload)["propagated_"].to(work.rnd.device)

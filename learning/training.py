@@ -166,16 +166,27 @@ def make_optimizer(params: Iterable[nn.Parameter], opt: OptimConfig) -> torch.op
     raise ValueError(f"unknown optimizer {opt.optimizer!r}; valid: sgd, adam")
 
 
-def decoupled_proximal_step(model: nn.Module, reference: dict[str, torch.Tensor], lr: float,
-                            lam: float) -> None:
-    """``w <- w - lr * lam * (w - w_ref)`` for every parameter in ``reference``, in place:
-    the pull towards ``w_ref`` applied as its own step after the optimiser's (so momentum
-    and weight decay never see it), as FEDORA's authors' code does."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, ref in reference.items():
+class DecoupledProximal:
+    """FEDORA's authors' pull towards ``w_ref``, as a ``train_epochs`` ``after_step``: after
+    each optimiser step ``w <- w - lr * lam * (w_0 - w_ref)``, where ``w_0`` is the weights
+    *before* that step (their ``models/ClientUpdate.py`` snapshots the state before the step and
+    subtracts ``lr * lam * (w_0 - w_fedora)`` from the stepped weights), for every parameter in
+    ``reference``. Outside the optimiser, so momentum and weight decay never see it. Keeps one
+    copy of those parameters: the next step's ``w_0``."""
+
+    def __init__(self, model: nn.Module, reference: dict[str, torch.Tensor], lr: float, lam: float) -> None:
+        params = dict(model.named_parameters())
+        self.reference = {n: r.to(device=params[n].device, dtype=params[n].dtype) for n, r in reference.items()}
+        self.start = {n: params[n].detach().clone() for n in reference}
+        self.lr, self.lam = lr, lam
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters())
+        for name, ref in self.reference.items():
             p = params[name]
-            p.sub_(lr * lam * (p - ref.to(device=p.device, dtype=p.dtype)))
+            p.sub_(self.lr * self.lam * (self.start[name] - ref))
+            self.start[name].copy_(p)
 
 
 def train_epochs(

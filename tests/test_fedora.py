@@ -30,7 +30,12 @@ from strategies.base import ClientUpdate, RunSettings
 from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["strategy=fedora", "dataset=digits-rotated", "model=mlp"]
+# These tests were written for the paper's text; the default is the authors' code forms
+# (test_defaults_are_the_authors_code_forms), so they name the paper's forms explicitly.
+PAPER_FORMS = {"similarity": "paper", "basis_labels": False, "lambda_form": "paper", "penalty": "loss",
+               "lambda_max": "auto"}
+PAPER = [f"strategy.{k}={str(v).lower()}" for k, v in PAPER_FORMS.items()]
+BASE = ["strategy=fedora", "dataset=digits-rotated", "model=mlp", *PAPER]
 
 
 def _cfg(*extra: str, root: Path | None = None):
@@ -84,7 +89,7 @@ def test_issue_api_exposed_in_strategies_fedora():
 @pytest.mark.parametrize("form", ["paper", "code"])
 @pytest.mark.parametrize("propagated_better", [True, False])
 def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_better):
-    cfg = _cfg(f"strategy.lambda_form={form}")
+    cfg = _cfg(f"strategy.lambda_form={form}", "strategy.penalty=loss")   # the penalty inside the loss
     rnd = _round(cfg)
     weak, strong = _model(cfg, 1), _model(cfg, 2)
     train_epochs(strong, rnd.data.train, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=5, batch_size=16),
@@ -197,7 +202,7 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
 
     run_config = {"strategy": "fedora", "dataset": "digits-rotated", "model": "mlp",
                   "results-root": str(tmp_path), "run-name": "t", "seed": 0,
-                  "overrides": "train.local_epochs=1"}
+                  "overrides": " ".join(["train.local_epochs=1", *PAPER])}
     cfg = compose_config(run_config)
     model = build_model(cfg.model, (1, 8, 8), 10)
     init = get_arrays(model)
@@ -239,7 +244,7 @@ def test_client_app_reply_carries_no_raw_samples(tmp_path):
 
 # ------------------------------------------------------------------ server strategy
 def _strategy(num: int, tmp_path: Path | None = None, **options):
-    opts = {**dict(compose_config({"strategy": "fedora"}).strategy), "top_k": None, **options}
+    opts = {**dict(compose_config({"strategy": "fedora"}).strategy), **PAPER_FORMS, "top_k": None, **options}
     init = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32),
             "n": np.array(0, np.int64)}
     return make_strategy(FEDORA, init, [str(i) for i in range(num)], options=opts, min_train_clients=1,
@@ -530,6 +535,29 @@ def test_an_unbounded_lambda_diverges_and_the_bound_keeps_the_client_stable():
     assert dist["auto"] < 0.8 * start                                        # pulled in
 
 
+def test_defaults_are_the_authors_code_forms(tmp_path):
+    """Where the paper's text and the authors' code differ, the default is the code (issue 28)."""
+    o = compose_config({"strategy": "fedora"}).strategy
+    assert (o.similarity, o.top_k, o.basis_labels, o.lambda_form, o.penalty, o.lambda_max) == \
+        ("code", None, True, "code", "decoupled", None)
+    cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated"])
+    assert (cfg.dataset.name, cfg.rounds, cfg.dataset.input_range) == ("mnist5k-rotated", 500, "unit")
+    assert (cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size) == (5e-3, 5, 64)
+
+
+def test_unit_inputs_reach_the_model_and_the_basis_unchanged():
+    """dataset.input_range=unit gives the model images in [0, 1] (the authors' scale); the
+    basis (basis_inputs=unit) is then of the same images, not shifted twice."""
+    sym, unit = _cfg(), _cfg("dataset.input_range=unit")
+    xs, _ = _stack(_round(sym, cid="1").data.train)
+    xu, _ = _stack(_round(unit, cid="1").data.train)
+    assert xs.min() < -0.5 and xu.min() >= 0.0 and xu.max() <= 1.0
+    np.testing.assert_allclose(xu, xs * 0.5 + 0.5, atol=1e-6)
+    u_sym = FEDORATrainer(sym).basis(_round(sym, cid="1"), {})
+    u_unit = FEDORATrainer(unit).basis(_round(unit, cid="1"), {})
+    np.testing.assert_allclose(np.abs(u_unit), np.abs(u_sym), atol=1e-5)
+
+
 def test_lambda_max_option_is_checked():
     from common.options import FEDORAOptions
 
@@ -554,17 +582,62 @@ def test_basis_inputs_option(inputs, shift):
     assert abs(float(u @ v)) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_decoupled_proximal_step_is_the_codes_update():
-    from learning.training import decoupled_proximal_step
+def test_decoupled_pull_uses_the_weights_before_each_step_as_the_authors_code():
+    """The authors' ``LocalUpdateFEDORA.train``, written out here: per batch, ``w_0 = copy of the
+    weights``; an SGD step (momentum 0.9, weight decay); then ``w = w - lr * lam * (w_0 - w_ref)``
+    on every tensor with a reference. ``DecoupledProximal`` as ``train_epochs``' hook gives the same
+    weights after several steps (the pull on the stepped weights instead, ``w - w_ref``, would not)."""
+    from learning.training import DecoupledProximal
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ref = {"weight": torch.randn(2, 3)}                    # the bias has no reference: untouched
-    decoupled_proximal_step(model, ref, lr=0.1, lam=2.0)
-    expected = before["weight"] - 0.1 * 2.0 * (before["weight"] - ref["weight"])
-    torch.testing.assert_close(model.weight.detach(), expected)
-    torch.testing.assert_close(model.bias.detach(), before["bias"])
+    x, y = torch.randn(24, 3), torch.randint(0, 2, (24,))
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 24, 8)]
+    ref = {"weight": torch.randn(2, 3)}                    # the bias has no reference: no pull
+    lr, lam = 0.1, 1.5
+
+    def fresh() -> torch.nn.Linear:
+        torch.manual_seed(1)
+        return torch.nn.Linear(3, 2)
+
+    theirs = fresh()
+    opt = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5)
+    for xb, yb in batches:
+        w_0 = {k: v.detach().clone() for k, v in theirs.named_parameters()}
+        loss = torch.nn.functional.cross_entropy(theirs(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            theirs.weight.sub_(lr * lam * (w_0["weight"] - ref["weight"]))
+
+    ours = fresh()
+    pull = DecoupledProximal(ours, ref, lr, lam)
+    opt = torch.optim.SGD(ours.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5)
+    for xb, yb in batches:
+        loss = torch.nn.functional.cross_entropy(ours(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        pull(ours)
+    torch.testing.assert_close(ours.weight, theirs.weight, rtol=0, atol=1e-7)
+    torch.testing.assert_close(ours.bias, theirs.bias, rtol=0, atol=0)
+
+
+def test_code_form_validation_loss_is_the_sum_of_batch_means():
+    """lambda_form=code sums the per-batch mean losses over the validation split in batches of
+    train.batch_size, as the authors' get_loss; the paper form takes the mean over samples."""
+    code = _cfg("strategy.lambda_form=code", "train.batch_size=8")
+    paper = _cfg("train.batch_size=8")
+    rnd = _round(code, cid="1")
+    model = _model(code, 3)
+    x, y = _stack(rnd.data.val)
+    logits = model(torch.as_tensor(x, dtype=torch.float32)).detach().double()
+    per_sample = torch.nn.functional.cross_entropy(logits, torch.as_tensor(y), reduction="none")
+    sums = sum(float(per_sample[i:i + 8].mean()) for i in range(0, len(y), 8))
+    assert len(y) > 8
+    assert FEDORATrainer(code).validation_loss(rnd, model) == pytest.approx(sums, rel=1e-5)
+    assert FEDORATrainer(paper).validation_loss(_round(paper, cid="1"), model) == \
+        pytest.approx(float(per_sample.mean()), rel=1e-5)
 
 
 def test_decoupled_penalty_pulls_towards_theta_hat_outside_the_optimiser():
