@@ -52,6 +52,16 @@ def models_required(cfg: DictConfig) -> tuple[str, ...]:
     return method(str(cfg.strategy.name), cfg.strategy).model
 
 
+def strategy_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The experiment's overrides for the configured strategy (``strategy_overrides``), less
+    any key the command line sets itself: one table's experiment can give FDSE its own model
+    while the baselines keep theirs, and ``pflower sweep experiment=X strategy=a,b`` runs both."""
+    table = cfg.strategy_overrides
+    extra = [str(o) for o in table.get(str(cfg.strategy.name), [])]
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    return [o for o in extra if o.lstrip("+~").partition("=")[0] not in given]
+
+
 def group_options(group: str) -> list[str]:
     """Valid names of a config group (the yaml files in ``conf/<group>/``)."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -95,9 +105,15 @@ def compose_config(run_config: Mapping[str, Any] | None = None,
 def _compose_cached(overrides_json: str) -> DictConfig:
     overrides = json.loads(overrides_json)
     _check_group_choices(overrides)
-    cfg = _hydra_compose(overrides)
+    # the group choices alone say which strategy runs and what the experiment adds for it; the
+    # command line's keys may need those additions (model.pool_size on FDSE's model)
+    extra: list[str] = []
+    if any(o.lstrip("+~").startswith(("experiment=", "strategy_overrides")) for o in overrides):
+        choices = [o for o in overrides if "." not in o.lstrip("+~").partition("=")[0]]
+        extra = strategy_overrides(_hydra_compose(choices), overrides)
+    cfg = _hydra_compose([*overrides, *extra])
     needs = models_required(cfg)
-    user_chose_model = any(o.lstrip("+~").startswith("model=") for o in overrides)
+    user_chose_model = any(o.lstrip("+~").startswith("model=") for o in [*overrides, *extra])
     if needs and str(cfg.model.name) not in needs and not user_chose_model:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
         cfg = _hydra_compose([*overrides, f"model={needs[0]}"])

@@ -1,0 +1,88 @@
+"""Every re-measured table is reproducible from its experiment file alone.
+
+The command printed with each table in docs/ is ``pflower sweep experiment=<name>
+strategy=<list> seed=0,1,2`` and nothing else (a results folder aside), and the configuration
+each of its runs composes is the one checked in under ``tests/tables/<experiment>.yaml``. A
+changed default therefore fails here until the expected file is rewritten on purpose
+(``python3 -m tests.test_tables --write``), which is the moment to re-measure the table.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from common.config import compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+EXPECTED = Path(__file__).resolve().parent / "tables"
+# page -> (experiment, strategies of its table): the tables measured at today's defaults
+TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "docs/methods/fdse.md": ("fdse-digits-sources", ("fdse", "fedavg", "fedbn", "ditto")),
+}
+# keys that say where a run goes, not what it computes
+WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
+
+
+def resolved(experiment: str, strategy: str) -> dict:
+    cfg = compose_config({}, [f"experiment={experiment}", f"strategy={strategy}"])
+    out = OmegaConf.to_container(cfg, resolve=True)
+    return {k: v for k, v in out.items() if k not in WHERE}   # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("page", sorted(TABLES))
+def test_the_table_command_is_the_experiment_and_nothing_else(page: str) -> None:
+    experiment, strategies = TABLES[page]
+    text = (REPO / page).read_text()
+    command = f"pflower sweep experiment={experiment} strategy={','.join(strategies)} seed=0,1,2"
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith(command)]
+    assert lines, f"{page} does not print `{command}`"
+    for line in lines:
+        rest = line[len(command):].split("#")[0].split()
+        assert all(re.fullmatch(r"results_root=\S+|--out|\S+\.md", word) for word in rest), \
+            f"{page}: the table's command has overrides of its own: {rest}"
+
+
+@pytest.mark.parametrize("page", sorted(TABLES))
+def test_each_run_of_the_table_composes_the_checked_in_config(page: str) -> None:
+    experiment, strategies = TABLES[page]
+    expected = yaml.safe_load((EXPECTED / f"{experiment}.yaml").read_text())
+    assert sorted(expected) == sorted(strategies)
+    for strategy in strategies:
+        got = resolved(experiment, strategy)
+        differs = sorted(k for k in set(got) | set(expected[strategy]) if got.get(k) != expected[strategy].get(k))
+        assert not differs, (f"{experiment} strategy={strategy}: {differs} differ from tests/tables/{experiment}.yaml; "
+                             "a default changed under a published table: re-measure it, then "
+                             "`python3 -m tests.test_tables --write`")
+
+
+def test_experiment_overrides_per_strategy_and_the_command_line_wins() -> None:
+    """``strategy_overrides``: FDSE gets its own model in the FDSE table's experiment while the
+    baselines keep AlexNet-BN at the same widths; a key given on the command line wins."""
+    fdse = compose_config({}, ["experiment=fdse-digits-sources", "strategy=fdse"])
+    fedbn = compose_config({}, ["experiment=fdse-digits-sources", "strategy=fedbn"])
+    assert (fdse.model.name, fdse.model.stem, fdse.model.pool_size, fdse.model.width) == \
+        ("fdse-alexnet", "alexnet-bn-small", 2, 0.125)
+    assert (fedbn.model.name, fedbn.model.width, fedbn.model.hidden) == ("alexnet-bn", 0.125, 4096)
+    assert fdse.train == fedbn.train and fdse.dataset == fedbn.dataset
+    mine = compose_config({}, ["experiment=fdse-digits-sources", "strategy=fdse", "model.pool_size=3"])
+    assert mine.model.pool_size == 3 and mine.model.name == "fdse-alexnet"
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        compose_config({}, ["experiment=fdse-digits-sources", "strategy_overrides.fdse=[oops]"])
+
+
+def write() -> None:
+    for experiment, strategies in {v[0]: v[1] for v in TABLES.values()}.items():
+        data = {s: resolved(experiment, s) for s in strategies}
+        (EXPECTED / f"{experiment}.yaml").write_text(
+            f"# the configuration of each run of the {experiment} table (tests/test_tables.py)\n"
+            + yaml.safe_dump(data, sort_keys=True))
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    write()
