@@ -24,37 +24,25 @@ Each line prints the largest absolute difference. The fine-tune at evaluation is
 
 from __future__ import annotations
 
-import argparse
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.authors_fedora import Replay
+from bench.authors import checkout_args, recorded_training, replay_of
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.authors_fedbabu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repo", required=True, help="a checkout of the authors' FedBABU repository")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    repo = Path(args.repo).resolve()
-    if not (repo / "models" / "Update.py").exists():
-        parser.error(f"{repo} is not a checkout of the authors' FedBABU (no models/Update.py)")
-    sys.path.insert(0, str(repo))
+    args = checkout_args(argv, "python3 -m bench.authors_fedbabu", __doc__, "FedBABU", "models/Update.py")
     from models.Fed import FedAvg  # the authors' code
     from models.Nets import CNNCifar
     from models.Update import LocalUpdate
 
-    import client.trainer as ct
     from client.fedbabu import FedBABUTrainer
     from client.trainer import ClientRound
     from common.config import compose_config
     from learning.data import load_federated_data
-    from learning.training import make_loader
     from server.app import build_strategy
     from strategies.base import ClientUpdate
 
@@ -95,31 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1. forward pass (cnn4 vs CNNCifar, 8 images): max |pflower - authors| {forward:.2e}")
 
     # 2. the client update of three clients, on the batches pflower draws
-    drawn: dict[str, object] = {}
-    real = ct.train_epochs
-
-    def spy(model, ds, opt, device, seed=0, **kw):  # noqa: ANN001, ANN202
-        drawn.update(ds=ds, opt=opt, seed=seed)
-        return real(model, ds, opt, device, seed=seed, **kw)
-
     updates, worst = [], 0.0
     for i, cid in enumerate(data.client_ids[:3]):
         rnd = ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                           input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
                           config=strategy.train_config)
         sent = strategy.payload_for(cid)
-        ct.train_epochs = spy
-        try:
+        with recorded_training() as drawn:
             result = trainer.fit(rnd, sent, {})
-        finally:
-            ct.train_epochs = real
-        opt, seed, ds = drawn["opt"], int(drawn["seed"]), drawn["ds"]  # type: ignore[call-overload]
-        loader = make_loader(ds, opt.batch_size, shuffle=True, seed=seed)  # type: ignore[attr-defined,arg-type]
-        epochs = [[(xb.clone(), yb.clone()) for xb, yb in loader] for _ in range(opt.epochs)]  # type: ignore[attr-defined]
+        opt, ds = drawn["opt"], drawn["ds"]
         their_args = Namespace(local_bs=opt.batch_size, momentum=opt.momentum, wd=opt.weight_decay,  # type: ignore[attr-defined]
                                local_ep=opt.epochs, local_ep_pretrain=0, device="cpu")  # type: ignore[attr-defined]
         local = LocalUpdate(args=their_args, dataset=ds, idxs=range(len(ds)))  # type: ignore[arg-type]
-        local.ldr_train = Replay(epochs)
+        local.ldr_train = replay_of(drawn)
         w, _ = local.train(net=load_theirs(sent), body_lr=opt.lr, head_lr=0.0)  # type: ignore[attr-defined]
         worst = max(worst, max(float(np.abs(result.upload[k] - w[to_theirs[k]].numpy()).max())
                                for k in result.upload))

@@ -23,51 +23,27 @@ here; ``tests/test_fedora_math.py`` checks pflower's against an independent comp
 
 from __future__ import annotations
 
-import argparse
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-
-class Replay:
-    """A loader that yields, on its i-th pass, the i-th epoch's mini-batches pflower drew."""
-
-    def __init__(self, epochs: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        self.epochs, self.passes = epochs, 0
-
-    def __iter__(self):  # noqa: ANN204
-        batches = self.epochs[self.passes]
-        self.passes += 1
-        return iter(batches)
-
-    def __len__(self) -> int:
-        return len(self.epochs[0])
+from bench.authors import checkout_args, recorded_training, replay_of
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.authors_fedora", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repo", required=True, help="a checkout of the authors' FEDORA repository")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    repo = Path(args.repo).resolve()
-    if not (repo / "models" / "ClientUpdate.py").exists():
-        parser.error(f"{repo} is not a checkout of the authors' FEDORA (no models/ClientUpdate.py)")
-    sys.path.insert(0, str(repo))
+    args = checkout_args(argv, "python3 -m bench.authors_fedora", __doc__, "FEDORA", "models/ClientUpdate.py")
     from main_fedora import normalize_adj  # the authors' code
     from models.ClientUpdate import LocalUpdateFEDORA
 
-    import client.trainer as ct
     from client.fedora import FEDORATrainer
     from client.trainer import MODEL_PREFIX, ClientRound
     from common.config import compose_config
     from learning.data import load_federated_data
     from learning.models import build_model
     from learning.params import get_arrays
-    from learning.training import OptimConfig, make_loader
+    from learning.training import OptimConfig, make_loader, train_epochs
     from strategies.fedora_math import propagate, subspace_similarity
 
     cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated", f"seed={args.seed}"])
@@ -79,36 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     # theta_hat: theta_k trained further (on another client's data), so that it is better on
     # this client's validation set and lambda > 0: the pull is exercised
     hat.load_state_dict(own.state_dict())
-    real_train = ct.train_epochs
-    real_train(hat, data.client("1").train, OptimConfig(lr=0.05, batch_size=32, momentum=0.9, epochs=5),
+    train_epochs(hat, data.client("1").train, OptimConfig(lr=0.05, batch_size=32, momentum=0.9, epochs=5),
                torch.device("cpu"), seed=args.seed)
     own_arrays, hat_arrays = get_arrays(own), get_arrays(hat)
 
     # pflower: one round of the client, recording the batches train_epochs draws
-    drawn: dict[str, object] = {}
-    real = ct.train_epochs
-
-    def spy(model, ds, opt, device, seed=0, **kw):  # noqa: ANN001, ANN202
-        drawn.update(ds=ds, opt=opt, seed=seed)
-        return real(model, ds, opt, device, seed=seed, **kw)
-
-    ct.train_epochs = spy
-    try:
+    with recorded_training() as drawn:
         trainer = FEDORATrainer(cfg)
         lam_ours, own_loss, hat_loss = trainer.selective_weight(rnd, build_from(cfg, data, own_arrays),
                                                                 build_from(cfg, data, hat_arrays))
         result = trainer.fit(rnd, dict(hat_arrays), {MODEL_PREFIX + k: v for k, v in own_arrays.items()})
-    finally:
-        ct.train_epochs = real
-    opt, seed, ds = drawn["opt"], int(drawn["seed"]), drawn["ds"]  # type: ignore[call-overload]
-    loader = make_loader(ds, opt.batch_size, shuffle=True, seed=seed)  # type: ignore[attr-defined,arg-type]
-    epochs = [[(x.clone(), y.clone()) for x, y in loader] for _ in range(opt.epochs)]  # type: ignore[attr-defined]
+    replay, opt = replay_of(drawn), drawn["opt"]
     val = [(x, y) for x, y in make_loader(rnd.data.val, int(cfg.train.batch_size), shuffle=False)]
 
     # the authors' client on the same batches, from the same theta_k and theta_hat_k
     their_args = Namespace(inner_lr=float(cfg.train.lr), inner_wd=float(cfg.train.weight_decay),
                            inner_steps=int(cfg.train.local_epochs))
-    theirs = LocalUpdateFEDORA(args=their_args, train_loader=Replay(epochs), val_loader=val)
+    theirs = LocalUpdateFEDORA(args=their_args, train_loader=replay, val_loader=val)
     with torch.no_grad():
         diff = float(theirs.get_loss(build_from(cfg, data, own_arrays), "cpu")
                      - theirs.get_loss(build_from(cfg, data, hat_arrays), "cpu"))
@@ -119,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     update = max(float(np.abs(result.upload[k] - w_theirs[k].numpy()).max()) for k in result.upload)
     print(f"1. selective lambda: pflower {lam_ours:.6f} (val losses {own_loss:.5f} / {hat_loss:.5f}), "
           f"authors {lam_theirs:.6f}: |diff| {abs(lam_ours - lam_theirs):.2e}")
-    print(f"2. client update ({opt.epochs} epochs x {len(epochs[0])} batches, lambda {lam_theirs:.4f}): "  # type: ignore[attr-defined]
+    print(f"2. client update ({opt.epochs} epochs x {len(replay)} batches, lambda {lam_theirs:.4f}): "
           f"max |pflower - authors| over the uploaded weights {update:.2e}")
 
     # propagation on pflower's code-form graph of all clients
