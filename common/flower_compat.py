@@ -21,6 +21,9 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
 7. :func:`index_undelivered_messages`: the simulation finds a node's messages through an index,
    not a scan of every stored message for every node every 0.1 s
    (``flwr/server/superlink/linkstate/in_memory_linkstate.py``).
+8. :func:`release_messages_of_stopped_runs`: a message whose run stops while the SuperNode
+   receives it is dropped, not left as a task whose ClientApp waits for its arrays
+   (``flwr/supernode/start_client_internal.py``).
 """
 
 from __future__ import annotations
@@ -180,13 +183,14 @@ def run_supernode(argv: list[str], poll_interval: float) -> None:
 
     Flower 1.39's SuperNode sleeps 3 s when the SuperLink has no message for it and looks for
     a ClientApp's reply every 0.5 s (flwr/supernode/start_client_internal.py, both
-    hard-coded); only that module's ``time`` is replaced. Items 2 and 3 are applied too."""
+    hard-coded); only that module's ``time`` is replaced. Items 2, 3 and 8 are applied too."""
     import sys
 
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
     loop.time = capped_time(poll_interval)   # type: ignore[attr-defined]
+    release_messages_of_stopped_runs(loop)
     shorten_object_pull_backoff()
     lengthen_task_heartbeat_ttl()
     sys.argv = ["flower-supernode", *argv]
@@ -358,3 +362,46 @@ def now_isoformat() -> str:
     from flwr.supercore.date import now
 
     return now().isoformat()
+
+
+# ---------------------------------------------------------------------- 8. runs stopped mid-message
+# When a SuperLink stops a run (it finished, failed, or the SuperLink was restarted and the run
+# is over) while a SuperNode is pulling one of its messages' arrays, Flower 1.39's
+# ``_pull_and_store_message`` (flwr/supernode/start_client_internal.py) has already created a
+# task and stored the message; the pull raises ``RunNotRunningException``, a ``BaseException``,
+# which skips the handler that deletes the message and fails the task. The task stays pending,
+# its ClientApp is started and waits for arrays that never come (500 tries, ~1,000 s), and
+# pflower's runner, which runs one task at a time, answers nothing else meanwhile: after a
+# SuperLink restart the resumed run found its clients silent and timed out. Raised as an
+# ``Exception``, the same stop takes Flower's own clean-up path ("Failed to receive message").
+class RunStoppedError(RuntimeError):
+    """The run of a message stopped while the SuperNode was receiving the message's arrays."""
+
+
+def release_messages_of_stopped_runs(loop: Any) -> bool:
+    """Make the SuperNode loop's ``pull_objects`` raise :class:`RunStoppedError` (an
+    ``Exception``) where Flower's raises ``RunNotRunningException``; False (and a warning)
+    when this Flower's loop or exception differs."""
+    from flwr.common.logger import log
+
+    try:
+        from flwr.supercore.run import RunNotRunningException
+    except ImportError:
+        log(WARNING, "pflower: this Flower has no RunNotRunningException; keeping its message handling")
+        return False
+    original = getattr(loop, "pull_objects", None)
+    if original is None:
+        log(WARNING, "pflower: this Flower's SuperNode loop pulls no objects; keeping its message handling")
+        return False
+    if getattr(original, "releases_stopped_runs", False):
+        return True
+
+    def pull_objects(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except RunNotRunningException as err:
+            raise RunStoppedError(f"the run stopped while its message was being received: {err!r}") from None
+
+    pull_objects.releases_stopped_runs = True   # type: ignore[attr-defined]
+    loop.pull_objects = pull_objects
+    return True

@@ -31,7 +31,7 @@ from ops.deployment.deploy import (
     run_result,
     supernode_command,
 )
-from ops.deployment.launch import free_port, kill_group
+from ops.deployment.launch import SuperLink, free_port, kill_group, pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
 # Small and tolerant of a busy 2-core machine: every message starts a ClientApp process.
@@ -205,6 +205,31 @@ def _run_past_round_one(dep: Deployment, results: Path, strategy: str, run_name:
 
 
 # ---------------------------------------------------------------------- deployments
+def test_a_stopped_superlink_takes_the_processes_of_its_runs_with_it(tmp_path):
+    """A ServerApp started for a SuperLink's run lives in a session of its own: when the
+    SuperLink was killed it is outside the SuperLink's process tree, and it must not outlive a
+    restart (it would reconnect and go on with the run being resumed). Found by the SuperLink's
+    runtime address: only this SuperLink's, not another one's on a port sharing its prefix."""
+    link = SuperLink(simulation=False, http_port=free_port(), workdir=tmp_path)
+    other = f"{link.host}:{link.http_port}1"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "--runtime-api-address"]
+    mine = subprocess.Popen([*sleeper, link.control_address, "--parent-pid", "1"], start_new_session=True)
+    theirs = subprocess.Popen([*sleeper, other], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and mine.pid not in link.leftovers():
+            time.sleep(0.05)
+        assert link.leftovers() == [mine.pid]
+        link.stop()                        # no SuperLink process of its own: only the leftovers
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert pid_alive(theirs.pid) and link.leftovers() == []
+    finally:
+        for proc in (mine, theirs):
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout=10)
+
+
 @pytest.mark.e2e
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     """``pflower deploy`` (default: TLS + SuperNode authentication): 3 SuperNodes with

@@ -289,9 +289,6 @@ def test_a_simulation_paused_longer_than_flowers_heartbeat_timeout_completes(tmp
 
 
 @pytest.mark.e2e
-@pytest.mark.skip(reason="OPEN DEFECT (stop 34): after the SuperLink restart the resumed run finds clients "
-                  "without a connected node and times out (fresh-clone CI 2026-11-25, and 3 reruns); passed at 7f55ae8 once; "
-                  "to investigate before re-enabling, see the issue note")
 def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path: Path) -> None:
     """``pflower deploy`` (insecure, 3 SuperNodes), two runs of the same configuration on one
     deployment: ``ref`` uninterrupted, then ``killed``, whose SuperLink is SIGKILLed after
@@ -326,6 +323,8 @@ def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path
     assert out.returncode == 0, text[-4000:]
     assert "pid" in killed, "the SuperLink was never killed"
     assert "the SuperLink exited during the run" in text and "starting it again on its database" in text
+    # the interrupted run, still "running" in the database, was stopped before the resume
+    assert "stopped the runs the restarted SuperLink still counted as running" in text
     assert text.count("pflower deploy: done") == 2
     recoveries = read_recoveries(results / "killed")
     assert len(recoveries) == 1 and recoveries[0]["after_round"] >= 2

@@ -46,6 +46,7 @@ from ops.deployment.launch import (
     free_port,
     kill_group,
     remove_private_files,
+    stop_unfinished_runs,
     tail_of,
     write_flwr_config,
 )
@@ -265,10 +266,16 @@ class Deployment:
     def restart_link(self) -> None:
         """Start the SuperLink again on its database, ports and certificates (after it
         died): registered SuperNode keys stay registered, and the SuperNodes reconnect by
-        themselves (Flower retries the Fleet connection without limit by default)."""
+        themselves (Flower retries the Fleet connection without limit by default). What the
+        dead SuperLink left is cleared: its runs' processes (``SuperLink.stop``) and, in its
+        database, the runs it was serving (stopped: their ServerApps are gone)."""
         assert self.link is not None
-        self.link.stop()   # whatever is left of its process group
+        self.link.stop()   # whatever is left of its process group and its runs' processes
         self.link.start(attempts=5, keep_ports=True)
+        stopped = stop_unfinished_runs(self.flwr_home)
+        if stopped:
+            print(f"pflower deploy: stopped the runs the restarted SuperLink still counted as running: "
+                  f"{', '.join(stopped)}", file=sys.stderr, flush=True)
 
     def restart_node(self, index: int) -> SuperNode:
         """Stop SuperNode ``index`` (its whole process group) and start it again, same config."""

@@ -158,6 +158,14 @@ def _group_alive(pgid: int) -> bool:
     return any(int(f[2]) == pgid and f[0] not in ("Z", "X") for f in _all_stats().values())
 
 
+def kill_pids(pids: Sequence[int], timeout: float = 5.0) -> None:
+    """SIGKILL ``pids`` and wait (up to ``timeout``) until none of them runs."""
+    _signal_all(pids, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(map(pid_alive, pids)):
+        time.sleep(0.05)
+
+
 def kill_tree(root: int) -> None:
     """SIGKILL ``root``, its descendants and their process groups (Flower starts the
     SuperLink, its SuperExec and the simulation in separate sessions; Ray's processes are
@@ -246,8 +254,20 @@ class SuperLink:
                           "is taken, run again (ports are chosen afresh each time).")
 
     def stop(self) -> None:
+        """Stop the SuperLink's process group and every process left of its runs."""
         if self.proc is not None:
             kill_group(self.proc)
+        kill_pids(self.leftovers())
+
+    def leftovers(self) -> list[int]:
+        """Live processes started for this SuperLink's runs (its SuperExec, ServerApps,
+        simulations), found by the SuperLink's runtime address on their command line. Flower
+        starts them detached, in sessions of their own: a SuperLink that was killed leaves them
+        outside its process tree, and a ServerApp left so reconnects to the SuperLink started
+        again on the same ports and goes on with the run that is being resumed (holding its
+        results folder, so the resumed run refused to start)."""
+        flag = f"--runtime-api-address {self.control_address} "
+        return [pid for pid in _all_stats() if pid != os.getpid() and pid_alive(pid) and flag in cmdline(pid) + " "]
 
     def __enter__(self) -> SuperLink:
         return self.start()
@@ -358,6 +378,28 @@ def run_info(flwr_home: Path) -> dict[str, Any] | None:
     except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
         return None
     return dict(runs[-1]) if runs else None
+
+
+def stop_unfinished_runs(flwr_home: Path) -> list[str]:
+    """Stop (``flwr stop``) every run our SuperLink does not count as finished; returns their
+    ids. Why: a SuperLink started again on its database after it died still counts the run it
+    was serving as running, though that run's ServerApp is gone. It would hand that run's
+    undelivered messages to the SuperNodes, whose arrays it no longer holds; each SuperNode
+    then waits on them (~1,000 s) instead of serving the run that is being resumed."""
+    import json
+
+    flwr, env = executable("flwr"), flower_env(flwr_home)
+    try:
+        out = subprocess.run([flwr, "ls", FEDERATION, "--format", "json"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        runs = json.loads(out.stdout).get("runs", [])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
+        return []
+    stopped = [str(r["run-id"]) for r in runs if not str(r.get("status", "")).startswith("finished")]
+    for run_id in stopped:
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            subprocess.run([flwr, "stop", run_id, FEDERATION], env=env, capture_output=True, timeout=60)
+    return stopped
 
 
 def run_log(flwr_home: Path, run_id: str) -> str:
