@@ -24,6 +24,8 @@ EXPECTED = Path(__file__).resolve().parent / "tables"
 # page -> (experiment, strategies of its table): the tables measured at today's defaults
 TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "docs/methods/fdse.md": ("fdse-digits-sources", ("fdse", "fedavg", "fedbn", "ditto")),
+    "docs/methods/partialfed.md": ("partialfed-digits", ("partialfed-fix", "partialfed-adaptive", "fedavg",
+                                                         "fedavg-ft", "fedbn", "local")),
 }
 # keys that say where a run goes, not what it computes
 WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
