@@ -119,16 +119,20 @@ class FEDORATrainer(ClientTrainer):
         return float(total)
 
     def lambda_bound(self, rnd: ClientRound) -> float:
-        """``strategy.lambda_max``: ``auto`` = 1 / (2 lr) of this round, so that the gradient
-        step of lambda ||theta - theta_hat||^2, 2 lr lambda (theta - theta_hat), never steps
-        past theta_hat. Unbounded, lambda = max(eps, L_own - L_hat) grows with a client's own
-        validation loss; above (1 + momentum) / (2 lr) heavy-ball SGD on the penalty is
-        unstable and the client diverges."""
+        """``strategy.lambda_max``: ``auto`` = the largest lambda whose pull never steps past
+        theta_hat: 1 / (2 lr) of this round for ``penalty=loss`` (the gradient step of
+        lambda ||theta - theta_hat||^2 is 2 lr lambda (theta - theta_hat)), 1 / lr for
+        ``penalty=decoupled`` (the pull lr lambda (theta_0 - theta_hat)). Unbounded, lambda
+        grows with a client's own validation loss (the code form exponentially); past the
+        bound the pull overshoots theta_hat, beyond twice it (heavy-ball: (1 + momentum) /
+        (2 lr)) every step moves farther away and the client diverges, then fails every later
+        round (a noisy-domain client at lr 0.05: lambda 95, its loss 4e17)."""
         bound = self.options.lambda_max
         if bound is None:
             return math.inf
         if bound == "auto":
-            return 1.0 / (2.0 * self.optim(rnd).lr)
+            lr = self.optim(rnd).lr
+            return 1.0 / (2.0 * lr) if self.options.penalty == "loss" else 1.0 / lr
         return float(bound)
 
     # ---------------------------------------------------------------- round steps

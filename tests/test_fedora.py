@@ -536,11 +536,27 @@ def test_an_unbounded_lambda_diverges_and_the_bound_keeps_the_client_stable():
     assert dist["auto"] < 0.8 * start                                        # pulled in
 
 
+def test_the_decoupled_pull_is_bounded_so_that_it_never_passes_theta_hat():
+    """The authors' decoupled pull, theta <- step(theta) - lr lambda (theta_0 - theta_hat), with
+    lambda = 50 at lr 0.05 (lr lambda = 2.5: the code form's exp(diff / 2) reached 95 for a
+    slow-learning client of a styled-digit tree): unbounded, every step lands farther from
+    theta_hat on the other side and the client runs away; ``lambda_max=auto`` (the default)
+    bounds lambda at 1 / lr = 20, a pull of at most the whole way to theta_hat."""
+    dist = {}
+    for bound in ("null", "auto"):
+        result, dist[bound], start = _fit_distance(
+            "strategy.penalty=decoupled", "strategy.eps=50.0", f"strategy.lambda_max={bound}",
+            "train.lr=0.05", "train.momentum=0.9", "train.local_epochs=3")
+        assert result.metrics["lambda"] == (50.0 if bound == "null" else 20.0)
+    assert not math.isfinite(dist["null"]) or dist["null"] > 10 * start    # ran away
+    assert dist["auto"] < 0.8 * start                                        # pulled in
+
+
 def test_defaults_are_the_authors_code_forms(tmp_path):
     """Where the paper's text and the authors' code differ, the default is the code (issue 28)."""
     o = compose_config({"strategy": "fedora"}).strategy
     assert (o.similarity, o.top_k, o.basis_labels, o.lambda_form, o.penalty, o.lambda_max) == \
-        ("code", None, True, "code", "decoupled", None)
+        ("code", None, True, "code", "decoupled", "auto")    # auto: ours, see the next test
     cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated"])
     assert (cfg.dataset.name, cfg.rounds, cfg.dataset.input_range) == ("mnist5k-rotated", 500, "unit")
     assert (cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size) == (5e-3, 5, 64)
