@@ -26,6 +26,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "docs/methods/fdse.md": ("fdse-digits-sources", ("fdse", "fedavg", "fedbn", "ditto")),
     "docs/methods/partialfed.md": ("partialfed-digits", ("partialfed-fix", "partialfed-adaptive", "fedavg",
                                                          "fedavg-ft", "fedbn", "local")),
+    "docs/methods/fedbasis.md": ("fedbasis-digits", ("fedbasis", "fedavg")),
 }
 # keys that say where a run goes, not what it computes
 WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
