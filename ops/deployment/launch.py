@@ -366,18 +366,24 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config:
         raise
 
 
-def run_info(flwr_home: Path) -> dict[str, Any] | None:
-    """The latest run on our SuperLink as ``flwr ls --format json`` gives it (status,
-    details, times, ...); None when the SuperLink cannot be asked."""
+def list_runs(flwr_home: Path) -> list[dict[str, Any]] | None:
+    """Every run on our SuperLink as ``flwr ls --format json`` gives it (``run-id``,
+    ``status``, details, times, ...), oldest first; None when the SuperLink cannot be asked."""
     import json
 
     try:
         out = subprocess.run([executable("flwr"), "ls", FEDERATION, "--format", "json"], env=flower_env(flwr_home),
                              capture_output=True, text=True, timeout=60)
-        runs = json.loads(out.stdout).get("runs", [])
+        return [dict(r) for r in json.loads(out.stdout).get("runs", [])]
     except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
         return None
-    return dict(runs[-1]) if runs else None
+
+
+def run_info(flwr_home: Path) -> dict[str, Any] | None:
+    """The latest run on our SuperLink (:func:`list_runs`); None when there is none or the
+    SuperLink cannot be asked."""
+    runs = list_runs(flwr_home)
+    return runs[-1] if runs else None
 
 
 def stop_unfinished_runs(flwr_home: Path) -> list[str]:
@@ -386,19 +392,11 @@ def stop_unfinished_runs(flwr_home: Path) -> list[str]:
     was serving as running, though that run's ServerApp is gone. It would hand that run's
     undelivered messages to the SuperNodes, whose arrays it no longer holds; each SuperNode
     then waits on them (~1,000 s) instead of serving the run that is being resumed."""
-    import json
-
-    flwr, env = executable("flwr"), flower_env(flwr_home)
-    try:
-        out = subprocess.run([flwr, "ls", FEDERATION, "--format", "json"], env=env, capture_output=True,
-                             text=True, timeout=60)
-        runs = json.loads(out.stdout).get("runs", [])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
-        return []
-    stopped = [str(r["run-id"]) for r in runs if not str(r.get("status", "")).startswith("finished")]
+    stopped = [str(r["run-id"]) for r in list_runs(flwr_home) or [] if not str(r.get("status", "")).startswith("finished")]
     for run_id in stopped:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-            subprocess.run([flwr, "stop", run_id, FEDERATION], env=env, capture_output=True, timeout=60)
+            subprocess.run([executable("flwr"), "stop", run_id, FEDERATION], env=flower_env(flwr_home),
+                           capture_output=True, timeout=60)
     return stopped
 
 
