@@ -75,23 +75,34 @@ def is_deployment_grid(grid: Any) -> bool:
     return HttpGrid is not None and isinstance(grid, HttpGrid)
 
 
-def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float) -> list[Any]:
-    """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds.
+def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
+                     on_reply: Callable[[Any], Any] | None = None) -> list[Any]:
+    """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds and
+    handing each to ``on_reply`` as soon as it is pulled.
 
     Flower 1.39's ``HttpGrid`` (the ServerApp's grid in a deployment) sleeps 3 s between
     two pulls, which rounds every exchange up to a multiple of 3 s: a round whose clients
     answer in 7 s waited 9 s for train and again for evaluate. ``InMemoryGrid`` (the
-    simulation) already pulls every 0.1 s, and test grids answer at once; they keep their
-    own method. Same contract: replies that arrived before ``timeout``, in arrival order."""
-    if not is_deployment_grid(grid):
-        return list(grid.send_and_receive(messages, timeout=timeout))
+    simulation) pulls every 0.1 s too, but returns nothing before the last reply: with
+    ``on_reply`` its replies are pulled here as well, so that a strategy can fold each one in
+    and drop its arrays while the others train (``on_reply`` returns what is kept). Test grids
+    that only answer ``send_and_receive`` get ``on_reply`` applied to what they return. Same
+    contract: the replies (as ``on_reply`` returns them) that arrived before ``timeout``, in
+    arrival order."""
+    keep = on_reply if on_reply is not None else (lambda message: message)
+    polled = is_deployment_grid(grid) or (on_reply is not None and hasattr(grid, "push_messages")
+                                          and hasattr(grid, "pull_messages"))
+    if not polled:
+        return [keep(m) for m in grid.send_and_receive(messages, timeout=timeout)]
     waiting = set(grid.push_messages(messages))
+    del messages
     replies: list[Any] = []
     end = time.monotonic() + timeout
     while waiting:
         arrived = list(grid.pull_messages(waiting))
-        replies.extend(arrived)
         waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
+        replies.extend(keep(m) for m in arrived)
+        del arrived
         if not waiting or time.monotonic() >= end:
             break
         time.sleep(REPLY_POLL_S)

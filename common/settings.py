@@ -31,6 +31,7 @@ class RunKeys:
     rounds: int
     eval_every: int
     eval_in_train: bool
+    eval_bn_statistics: str
     best_round_by: str
     fraction_train: float
     min_train_clients: int
@@ -44,6 +45,7 @@ class RunKeys:
     resume: str
     overwrite: bool
     norm_bound: float
+    stream_replies_mb: float | None
     strategy_overrides: dict[str, list[str]]
 
     def __post_init__(self) -> None:
@@ -56,6 +58,9 @@ class RunKeys:
         finite("wait_for_clients", self.wait_for_clients, 0.0, strict=True)
         check(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = never), got {self.checkpoint_every}")
         finite("norm_bound", self.norm_bound, 0.0)
+        if self.stream_replies_mb is not None:
+            finite("stream_replies_mb", self.stream_replies_mb, 0.0)
+        one_of("eval_bn_statistics", self.eval_bn_statistics, ("stored", "recompute"))
         check(self.best_round_by in ("mean", "weighted"), "best_round_by must be mean (over clients) or "
               f"weighted (by validation size), got {self.best_round_by!r}")
         bad = [o for extra in self.strategy_overrides.values() for o in extra if "=" not in o]

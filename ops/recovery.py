@@ -32,7 +32,7 @@ from common.config import ConfigError, compose_config, split_overrides
 # done computed (rounds extends the run; the others are how and how long to wait, where
 # to train, and where the data cache lives)
 RESUMABLE_KEYS = ("rounds", "round_timeout", "wait_for_clients", "device", "deterministic",
-                  "data_cache", "checkpoint_every")
+                  "data_cache", "checkpoint_every", "stream_replies_mb")
 # keys that name the folder, not the run: they are taken from the folder
 FOLDER_KEYS = ("resume", "run_name", "results_root", "overwrite")
 

@@ -71,11 +71,15 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         t0 = time.monotonic()
         messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
                                                  ConfigRecord({**base_config, **fused.train_config()}), grid))
-        replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout))
+        # each reply is validated as it arrives, and folded into the mean at once when the
+        # round's replies would not fit side by side (strategy.streams_round)
+        receiver = strategy.receive_train(rnd)
+        replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout), on_reply=receiver.take)
+        del messages
         pending = fused.take()
         if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
             recorder.attach_evaluation(pending, _evaluate(strategy, grid, cfg, base_config, pending, replies))
-        result = strategy.aggregate_round(rnd, replies)
+        result = strategy.aggregate_round(rnd, receiver)
         comm = result.log
         record: dict[str, Any] = {
             "round": rnd,

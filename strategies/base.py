@@ -35,17 +35,17 @@ from common.methods import method_options, parameter_roles
 from common.options import MethodOptions
 from common.protocol import client_sort_key, to_record
 from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
-from learning.params import NDArrays, weighted_mean
+from learning.params import NDArrays, RunningMean, num_bytes, weighted_mean
 from strategies.addressing import ClientDirectory, place_clients
 from strategies.replies import (
     ClientUpdate,
     Evaluation,
     RoundFailedError,
     RoundLog,
+    TrainReplies,
     conform_scalars,
     mean_train_metrics,
     parse_evaluation_replies,
-    parse_train_replies,
     short_reason,
     summarise_clients,
     validate_arrays,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["ClientUpdate", "Evaluation", "PersonalizedStrategy", "RoundFailedError", "RoundLog",
-           "RunSettings", "TrainResult", "client_labels", "client_sort_key", "conform_scalars",
+           "RunSettings", "TrainReplies", "TrainResult", "client_labels", "client_sort_key", "conform_scalars",
            "place_clients", "short_reason", "summarise_clients", "validate_arrays"]
 
 
@@ -74,6 +74,9 @@ class RunSettings:
     round_timeout : seconds a round waits for replies.
     norm_bound : reject an update farther than this (L2) from its payload; 0 = off.
     run_dir : the run's results folder (for a method's plots); None = none written.
+    stream_replies_mb : fold a round's train replies into the mean as they arrive once the
+        round's uploads are expected to exceed this many MB (0 = always; None = never), for a
+        method whose rule is the mean (:meth:`PersonalizedStrategy.streams_round`).
     """
 
     seed: int
@@ -84,6 +87,7 @@ class RunSettings:
     round_timeout: float
     norm_bound: float
     run_dir: Path | None = None
+    stream_replies_mb: float | None = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig, num_clients: int) -> RunSettings:
@@ -91,7 +95,8 @@ class RunSettings:
                    min_train_clients=min(int(cfg.min_train_clients), num_clients),
                    wait_for_clients=float(cfg.wait_for_clients), round_timeout=float(cfg.round_timeout),
                    norm_bound=float(cfg.norm_bound),
-                   run_dir=Path(str(cfg.results_root)) / str(cfg.run_name))
+                   run_dir=Path(str(cfg.results_root)) / str(cfg.run_name),
+                   stream_replies_mb=(None if cfg.stream_replies_mb is None else float(cfg.stream_replies_mb)))
 
 
 @dataclass
@@ -138,6 +143,10 @@ class PersonalizedStrategy(Strategy):
     # unchanged state; tests/test_method_contract.py checks the numbers are identical for
     # every method. A method for which that does not hold sets this to False.
     fuses_evaluation: ClassVar[bool] = True
+    # The round's rule is this class' mean of the uploads (:meth:`mean_of`), so each reply can
+    # be folded into it as it arrives and dropped (:meth:`streams_round`). A method whose rule
+    # needs every update at once (MGDA, propagation, K-means) sets this to False.
+    mean_rule: ClassVar[bool] = True
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], run: RunSettings,
                  options: Mapping[str, Any], model: nn.Module | None = None, data: Any = None) -> None:
@@ -156,6 +165,7 @@ class PersonalizedStrategy(Strategy):
         self.directory = ClientDirectory(self.client_ids, run.min_train_clients, run.wait_for_clients,
                                          run.round_timeout)
         self.sent: dict[str, NDArrays] = {}       # client id -> the payload of its train message
+        self.running: RunningMean | None = None   # this round's folded mean, when it streams
         self._asked_to_evaluate: list[str] = []
 
     # ------------------------------------------------------------------ method hooks
@@ -182,14 +192,38 @@ class PersonalizedStrategy(Strategy):
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """FedAvg over the uploaded keys (a method overrides this with its own rule)."""
+        mean = self.mean_of(updates)
+        if mean is None:
+            return
+        self.global_arrays.update(mean)
+        log(INFO, "aggregate: FedAvg of %d tensors over %d clients%s", len(mean), len(updates),
+            " (folded as they arrived)" if self.running is not None else "")
+
+    def mean_of(self, updates: list[ClientUpdate]) -> NDArrays | None:
+        """sum_k w_k a_k / sum_k w_k over the uploads (w_k = n_k, or 1 with ``weighted=false``):
+        the running mean the replies were folded into when the round streamed, otherwise the
+        mean of the updates in client order; None when nothing was uploaded."""
+        if self.running is not None and self.running.count:
+            return self.running.result()
         uploaded = [u for u in updates if u.arrays]
         if not uploaded:
-            return
+            return None
         keys = set(uploaded[0].arrays)
-        weights = [float(u.num_examples) if self.weighted else 1.0 for u in uploaded]
-        mean = weighted_mean([{k: u.arrays[k] for k in keys} for u in uploaded], weights)
-        self.global_arrays.update(mean)
-        log(INFO, "aggregate: FedAvg of %d tensors over %d clients", len(keys), len(uploaded))
+        return weighted_mean([{k: u.arrays[k] for k in keys} for u in uploaded], self.weights_of(uploaded))
+
+    def weights_of(self, updates: list[ClientUpdate]) -> list[float]:
+        """Each update's weight in the mean: its sample count, or 1 with ``weighted=false``."""
+        return [float(u.num_examples) if self.weighted else 1.0 for u in updates]
+
+    def streams_round(self, server_round: int) -> bool:
+        """Whether this round folds each train reply into the mean as it arrives (server memory:
+        one model, not one per client): when the rule is the mean and the round's uploads are
+        expected (from what was sent) to exceed ``stream_replies_mb``. Not bit for bit the
+        client-order mean (:class:`learning.params.RunningMean`), hence only past the limit."""
+        limit = self.run.stream_replies_mb
+        if not self.mean_rule or limit is None:
+            return False
+        return limit == 0 or sum(num_bytes(p) for p in self.sent.values()) / 1e6 > limit
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Method-specific values to record in this round's metrics line (JSON-able)."""
@@ -222,17 +256,41 @@ class PersonalizedStrategy(Strategy):
             len(clients))
         return [self.directory.message(cid, payload, cfg, MessageType.TRAIN) for cid, payload in self.sent.items()]
 
-    def aggregate_round(self, server_round: int, replies: Iterable[Message]) -> TrainResult:
-        """Validate the round's replies, aggregate the valid updates (:meth:`aggregate_updates`)
-        and return the round's train metrics and log; too few valid replies fail the round
+    def receive_train(self, server_round: int) -> TrainReplies:
+        """The receiver of this round's train replies: each reply is validated as it arrives
+        (``TrainReplies.take``) and, when the round streams (:meth:`streams_round`), folded into
+        the mean at once and dropped."""
+        self.running = RunningMean() if self.streams_round(server_round) else None
+        fold = None
+        if self.running is not None:
+            running = self.running
+
+            def fold(update: ClientUpdate) -> None:
+                running.add(update.arrays, self.weights_of([update])[0])
+
+            log(INFO, "configure_train: round %d's replies are folded into the mean as they arrive "
+                "(%.0f MB expected, stream_replies_mb=%s)", server_round,
+                sum(num_bytes(p) for p in self.sent.values()) / 1e6, self.run.stream_replies_mb)
+        return TrainReplies(self.sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
+                            check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason,
+                            fold=fold)
+
+    def aggregate_round(self, server_round: int, replies: Iterable[Message] | TrainReplies) -> TrainResult:
+        """Validate the round's replies (or take those a :meth:`receive_train` receiver took as
+        they arrived), aggregate the valid updates (:meth:`aggregate_updates`) and return the
+        round's train metrics and log; too few valid replies fail the round
         (:class:`RoundFailedError`, naming who is missing and why)."""
-        updates, round_log = parse_train_replies(
-            replies, self.sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
-            check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason)
+        if not isinstance(replies, TrainReplies):
+            receiver = self.receive_train(server_round)
+            for msg in replies:
+                receiver.take(msg)
+            replies = receiver
+        updates, round_log = replies.finish()
         self.directory.learn(round_log.nodes)
         log(INFO, "aggregate_train: %d replies, %d failed, %d rejected", len(updates),
             len(round_log.failed), len(round_log.rejected))
         if len(updates) < self.run.min_train_clients:
+            self.running = None
             problems = {**round_log.failed, **round_log.rejected}
             raise RoundFailedError(
                 f"round {server_round}: only {len(updates)} valid replies, min_train_clients="
@@ -243,7 +301,10 @@ class PersonalizedStrategy(Strategy):
         absent = set(round_log.failed) | set(round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
-        self.aggregate_updates(server_round, updates)
+        try:
+            self.aggregate_updates(server_round, updates)
+        finally:
+            self.running = None
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:

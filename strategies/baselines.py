@@ -59,6 +59,7 @@ class Local(PersonalizedStrategy):
     """Local training: no aggregation. The server only coordinates rounds and evaluation."""
 
     name: ClassVar[str] = "local"
+    mean_rule: ClassVar[bool] = False   # nothing is uploaded or averaged
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
         log(INFO, "aggregate: local training, nothing to aggregate (%d clients)", len(updates))

@@ -101,6 +101,7 @@ class FDSE(PersonalizedStrategy):
     "include": the authors' code's ``delta / (||delta|| + 1e-8)``)."""
 
     name: ClassVar[str] = "fdse"
+    mean_rule: ClassVar[bool] = False   # MGDA consensus and attention need every update at once
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)

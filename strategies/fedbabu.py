@@ -41,6 +41,7 @@ class FedBABU(PersonalizedStrategy):
     theta_cls = theta_cls^0 for the whole training (fine-tuned only at evaluation)."""
 
     name: ClassVar[str] = "fedbabu"
+    mean_rule: ClassVar[bool] = False   # its own body average (average_body), over every update
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)

@@ -66,6 +66,10 @@ class FedBasis(PersonalizedStrategy):
             return dict(self.global_arrays)
         return {k: v for k, v in self.global_arrays.items() if k.startswith(self.warm_prefix)}
 
+    def streams_round(self, server_round: int) -> bool:
+        """Per-basis FedAvg folds as replies arrive; the seeding round needs every model at once."""
+        return self.seeded and super().streams_round(server_round)
+
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         if self.seeded:
             return super().check_upload(arrays)

@@ -88,6 +88,7 @@ class FEDORA(PersonalizedStrategy):
     """
 
     name: ClassVar[str] = "fedora"
+    mean_rule: ClassVar[bool] = False   # the propagation mixes every client's model
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -128,6 +128,101 @@ def _metrics_of(msg: Message, *keys: str) -> dict[str, float]:
     return {}
 
 
+class TrainReplies:
+    """A round's train replies, validated one at a time as they arrive (:meth:`take`).
+
+    Parameters
+    ----------
+    sent : client id -> the payload of its train message, in sampling order (the log's
+        ``sampled`` and ``bytes_down``, and the base of the norm bound).
+    sender_of : the client a reply answers for (also an error reply, which names none).
+    reference : the model's tensors (names, shapes, dtypes an upload must have).
+    norm_bound : reject an update whose L2 distance from its payload exceeds this (0: off).
+    check_upload : why an upload breaks the method's parameter roles, or None.
+    no_reply_reason : why a client that was sent a message did not answer.
+    fold : when given, each valid update is passed to it as it arrives (the strategy adds its
+        arrays to a running mean), then its arrays are dropped from the update and every
+        reply's from the reply (a rejected one's too), so that the round holds metrics, not
+        models (``ClientUpdate.arrays`` is then empty; ``folded`` counts the folded updates).
+    """
+
+    def __init__(self, sent: Mapping[str, NDArrays], sender_of: Callable[[Message], str],
+                 reference: Mapping[str, np.ndarray], *, norm_bound: float = 0.0,
+                 check_upload: Callable[[Mapping[str, np.ndarray]], str | None] = lambda arrays: None,
+                 no_reply_reason: Callable[[], str] = lambda: "no reply",
+                 fold: Callable[[ClientUpdate], None] | None = None) -> None:
+        self.sent, self.sender_of, self.reference = sent, sender_of, reference
+        self.norm_bound, self.check_upload, self.no_reply_reason = norm_bound, check_upload, no_reply_reason
+        self.fold = fold
+        self.folded = 0
+        self.log = RoundLog(sampled=list(sent), bytes_down={c: num_bytes(p) for c, p in sent.items()})
+        self.updates: list[ClientUpdate] = []
+        self.answered: set[str] = set()
+
+    def take(self, msg: Message) -> Message:
+        """Validate one reply into an update or a log entry; returns the reply (without its
+        arrays when they were folded)."""
+        update = self._parse(msg)
+        if self.fold is None or not msg.has_content():
+            return msg
+        if update is not None and update.arrays:
+            self.fold(update)
+            update.arrays, update.extra = {}, {}
+            self.folded += 1
+        for key in list(msg.content.array_records):   # a rejected reply's arrays are of no use either
+            del msg.content[key]
+        return msg
+
+    def _parse(self, msg: Message) -> ClientUpdate | None:
+        round_log = self.log
+        node, target = msg.metadata.src_node_id, self.sender_of(msg)
+        self.answered.add(target)
+        if msg.has_error():
+            round_log.failed[target] = f"client error: {short_reason(msg.error.reason)}"
+            log(WARNING, "client %s failed: %s", target, round_log.failed[target])
+            return None
+        metrics = _metrics_of(msg, METRICS_KEY)
+        try:
+            cid = decode_client_id(metrics)
+        except (KeyError, ValueError) as err:
+            round_log.rejected[target] = str(err)
+            return None
+        if cid != target and not target.startswith("node-"):
+            round_log.rejected[target] = f"the reply to client {target}'s message is for client {cid}"
+            log(WARNING, "rejected a reply: %s", round_log.rejected[target])
+            return None
+        round_log.nodes.setdefault(node, cid)
+        arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), self.reference)
+        reason = (validate_arrays(arrays, self.reference, self.norm_bound, self.sent.get(target))
+                  or self.check_upload(arrays))
+        extra = {k: from_record(v) for k, v in msg.content.array_records.items() if k != ARRAYS_KEY}
+        bad = [f"{rk}/{k}" for rk, rec in extra.items() for k, a in rec.items()
+               if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a))]
+        reason = reason or (f"array {bad[0]!r} contains NaN or Inf" if bad else None)
+        if reason is not None:
+            round_log.rejected[cid] = reason
+            log(WARNING, "rejected the update of client %s: %s", cid, reason)
+            return None
+        update = ClientUpdate(client_id=cid, node_id=node, arrays=arrays,
+                              num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
+                              metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
+        self.updates.append(update)
+        round_log.replied.append(cid)
+        round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
+        return update
+
+    def finish(self) -> tuple[list[ClientUpdate], RoundLog]:
+        """The valid updates ordered by client id (a fixed order keeps float sums reproducible,
+        whatever the arrival order), and the round's :class:`RoundLog` with every client that
+        was sent a message and did not answer marked failed."""
+        for target in self.sent:
+            if target not in self.answered:
+                self.log.failed[target] = self.no_reply_reason()
+                log(WARNING, "client %s: %s", target, self.log.failed[target])
+        self.updates.sort(key=lambda u: client_sort_key(u.client_id))
+        return self.updates, self.log
+
+
 def parse_train_replies(
     replies: Iterable[Message],
     sent: Mapping[str, NDArrays],
@@ -138,66 +233,13 @@ def parse_train_replies(
     check_upload: Callable[[Mapping[str, np.ndarray]], str | None] = lambda arrays: None,
     no_reply_reason: Callable[[], str] = lambda: "no reply",
 ) -> tuple[list[ClientUpdate], RoundLog]:
-    """Validate a round's train replies into ClientUpdates, and the round's log.
-
-    Parameters
-    ----------
-    replies : the replies that arrived, in any order.
-    sent : client id -> the payload of its train message, in sampling order (the log's
-        ``sampled`` and ``bytes_down``, and the base of the norm bound).
-    sender_of : the client a reply answers for (also an error reply, which names none).
-    reference : the model's tensors (names, shapes, dtypes an upload must have).
-    norm_bound : reject an update whose L2 distance from its payload exceeds this (0: off).
-    check_upload : why an upload breaks the method's parameter roles, or None.
-    no_reply_reason : why a client that was sent a message did not answer.
-
-    Returns
-    -------
-    The valid updates ordered by client id (a fixed order keeps float sums reproducible,
-    whatever the arrival order), and the round's :class:`RoundLog`.
-    """
-    round_log = RoundLog(sampled=list(sent), bytes_down={c: num_bytes(p) for c, p in sent.items()})
-    updates: list[ClientUpdate] = []
-    answered: set[str] = set()
+    """Validate a round's train replies (all at once) into ClientUpdates, and the round's log:
+    :class:`TrainReplies` over ``replies``, which may arrive in any order."""
+    received = TrainReplies(sent, sender_of, reference, norm_bound=norm_bound, check_upload=check_upload,
+                            no_reply_reason=no_reply_reason)
     for msg in replies:
-        node, target = msg.metadata.src_node_id, sender_of(msg)
-        answered.add(target)
-        if msg.has_error():
-            round_log.failed[target] = f"client error: {short_reason(msg.error.reason)}"
-            log(WARNING, "client %s failed: %s", target, round_log.failed[target])
-            continue
-        metrics = _metrics_of(msg, METRICS_KEY)
-        try:
-            cid = decode_client_id(metrics)
-        except (KeyError, ValueError) as err:
-            round_log.rejected[target] = str(err)
-            continue
-        if cid != target and not target.startswith("node-"):
-            round_log.rejected[target] = f"the reply to client {target}'s message is for client {cid}"
-            log(WARNING, "rejected a reply: %s", round_log.rejected[target])
-            continue
-        round_log.nodes.setdefault(node, cid)
-        arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), reference)
-        reason = validate_arrays(arrays, reference, norm_bound, sent.get(target)) or check_upload(arrays)
-        extra = {k: from_record(v) for k, v in msg.content.array_records.items() if k != ARRAYS_KEY}
-        bad = [f"{rk}/{k}" for rk, rec in extra.items() for k, a in rec.items()
-               if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a))]
-        reason = reason or (f"array {bad[0]!r} contains NaN or Inf" if bad else None)
-        if reason is not None:
-            round_log.rejected[cid] = reason
-            log(WARNING, "rejected the update of client %s: %s", cid, reason)
-            continue
-        updates.append(ClientUpdate(client_id=cid, node_id=node, arrays=arrays,
-                                    num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
-                                    metrics={k: float(v) for k, v in metrics.items()}, extra=extra))
-        round_log.replied.append(cid)
-        round_log.bytes_up[cid] = num_bytes(arrays) + sum(num_bytes(e) for e in extra.values())
-    for target in sent:
-        if target not in answered:
-            round_log.failed[target] = no_reply_reason()
-            log(WARNING, "client %s: %s", target, round_log.failed[target])
-    updates.sort(key=lambda u: client_sort_key(u.client_id))
-    return updates, round_log
+        received.take(msg)
+    return received.finish()
 
 
 def parse_evaluation_replies(replies: Iterable[Message], asked: Iterable[str],

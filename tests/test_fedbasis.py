@@ -11,13 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import model_config, pflower
+from flwr.app import ConfigRecord
+from helpers import FakeGrid, model_config, pflower
 from torch import nn
 from torch.func import functional_call
 
 from client.fedbasis import COEFF_METRIC, FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
 from common.config import ConfigError, compose_config
+from common.flower_compat import send_and_receive
+from common.protocol import make_reply, to_record
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
 from learning.data import load_federated_data
 from learning.models import build_model
@@ -311,6 +314,36 @@ def test_each_basis_is_averaged_over_the_clients(data, weighted: bool | None) ->
     diag = strategy.diagnostics[1]
     assert math.isclose(diag["coeff_entropy"], math.log(2), rel_tol=1e-9)
     assert strategy.coefficients[1]["2"] == {u: [0.5, 0.5] for u in ("s1", "s2", "s3", "fc")}
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_streamed_basis_round_averages_each_basis_and_records_the_coefficients(data) -> None:
+    """With ``stream_replies_mb=0`` a basis round folds each reply into the per-basis mean as it
+    arrives (no client's bases kept); the warm-up's seeding round never streams (K-means needs
+    every model)."""
+    warm = _strategy(data, "rounds=4", "strategy.warm_fraction=0.5", "stream_replies_mb=0")
+    assert not warm.seeded and not warm.streams_round(2)
+    strategy = _strategy(data, "strategy.num_bases=2", "strategy.warm_fraction=0", "stream_replies_mb=0")
+    assert strategy.seeded and strategy.streams_round(1)
+    sent = strategy.payload_for("0")
+    rng = np.random.default_rng(2)
+    ids = strategy.client_ids
+    uploads = {c: {k: rng.normal(size=v.shape).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                   for k, v in sent.items()} for c in ids}
+    coeff = {c: {f"{COEFF_METRIC}{u}/{k}": (0.25 if k == 0 else 0.75) if c == ids[0] else 0.5
+                 for u in ("s1", "s2", "s3", "fc") for k in range(2)} for c in ids}
+    grid = FakeGrid(ids, lambda cid, msg: make_reply(msg, uploads[cid], coeff[cid], cid, 7 + int(cid)))
+    messages = list(strategy.configure_train(1, to_record(strategy.global_arrays), ConfigRecord({}), grid))
+    receiver = strategy.receive_train(1)
+    replies = send_and_receive(grid, messages, timeout=30.0, on_reply=receiver.take)
+    assert receiver.folded == len(ids) and not any(m.content.array_records for m in replies)
+    strategy.aggregate_round(1, receiver)
+    for key in sent:
+        if np.issubdtype(sent[key].dtype, np.floating):
+            expected = sum(uploads[c][key].astype(np.float64) for c in ids) / len(ids)   # uniform (Eq. 7, 9)
+            np.testing.assert_allclose(strategy.global_arrays[key], expected, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert strategy.coefficients[1][ids[0]] == {u: [0.25, 0.75] for u in ("s1", "s2", "s3", "fc")}
+    assert "coeff_entropy" in strategy.diagnostics[1]
 
 
 def test_warm_up_upload_of_other_tensors_is_rejected(data) -> None:
