@@ -11,7 +11,8 @@ model's average over domains) is evaluated with BN running statistics that are n
 On a feature-shift tree that alone can put a client far below training alone while its training
 loss is low. The weights are left as stored; only the running statistics are recomputed (a
 cumulative average over one pass of the train split in train mode, no gradient), so a gap
-between the two columns is the statistics' share of the client's accuracy.
+between the two columns is the statistics' share of the client's accuracy. A run with
+``eval_bn_statistics=recompute`` evaluates its clients this way itself.
 """
 
 from __future__ import annotations
@@ -21,28 +22,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import nn
 
 from client.state import VERSION_RE
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import set_arrays
 from learning.storage import load_arrays_file
-from learning.training import evaluate, make_loader
-
-
-def recompute_bn_statistics(model: nn.Module, train: torch.utils.data.Dataset, batch_size: int,
-                            device: torch.device) -> nn.Module:
-    """Replace every BN layer's running statistics by their average over one pass of ``train``."""
-    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for layer in layers:
-        layer.reset_running_stats()
-        layer.momentum = None            # cumulative moving average: every batch weighs the same
-    model.to(device).train()
-    with torch.no_grad():
-        for x, _ in make_loader(train, batch_size, shuffle=False, device=device):
-            model(x.to(device))
-    return model.eval()
+from learning.training import evaluate, recompute_bn_statistics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from learning.training import (
     OptimConfig,
     evaluate,
     make_optimizer,
+    recompute_bn_statistics,
     train_epochs,
 )
 
@@ -238,8 +239,21 @@ class ClientTrainer:
                 out.update(_prefixed_eval(base, rnd, ""))
                 out[FINETUNED] = 0.0
         else:
-            out.update(_prefixed_eval(self.personal_model(rnd, payload, state), rnd, ""))
+            out.update(_prefixed_eval(self.evaluated_model(rnd, payload, state), rnd, ""))
         return out
+
+    def evaluated_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
+        """The personal model as evaluated: with ``eval_bn_statistics=recompute`` (ours), a copy
+        whose BN running statistics are recomputed on this client's train split
+        (:func:`learning.training.recompute_bn_statistics`); a model made of combined
+        parts (FedBasis' bases) is evaluated as the plain network it combines to. The state
+        is never changed by an evaluation."""
+        model = self.personal_model(rnd, payload, state)
+        if str(self.cfg.eval_bn_statistics) != "recompute":
+            return model
+        combined = getattr(model, "combined_model", None)
+        plain = combined() if callable(combined) else copy.deepcopy(model)
+        return recompute_bn_statistics(plain, rnd.data.train, int(self.cfg.train.batch_size), rnd.device)
 
 
     # ---------------------------------------------------------------- new clients

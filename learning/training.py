@@ -299,6 +299,33 @@ def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: in
     return {"loss": float(loss_sum) / max(total, 1), "accuracy": accuracy, "num": float(total)}
 
 
+def recompute_bn_statistics(model: nn.Module, train: Dataset, batch_size: int,
+                            device: torch.device) -> nn.Module:
+    """Replace every BN layer's running statistics by their average over one pass of ``train``
+    (train mode, no gradient, weights unchanged; "precise BN"), in place; returns ``model``
+    in eval mode.
+
+    Why: BN's running statistics are a momentum-0.1 average taken while the weights moved.
+    A model whose weights move between its last data and its evaluation (Ditto's v pulled
+    towards a new global model, PartialFed's soft mix of local and global units, FedBasis'
+    combination of bases averaged over domains) carries statistics that are not those of its
+    weights on its client's data; on a feature-shift tree that alone leaves a client far below
+    training alone. Each layer averages its batch means and unbiased batch variances with
+    equal weight per batch (``momentum=None``, then restored)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None            # cumulative moving average: every batch weighs the same
+    model.to(device).train()
+    with torch.no_grad():
+        for x, _ in make_loader(train, batch_size, shuffle=False, device=device):
+            model(x.to(device, non_blocking=True))
+    for layer, momentum in zip(layers, momenta, strict=True):
+        layer.momentum = momentum
+    return model.eval()
+
+
 def proximal_term(reference: Mapping[str, torch.Tensor], mu: float,
                   keys: Callable[[str], bool] | None = None) -> ExtraLoss:
     """``mu / 2 * sum ||w - w_ref||^2`` over the model's parameters (FedProx, Ditto)."""
