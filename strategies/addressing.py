@@ -61,7 +61,12 @@ class ClientDirectory:
     client_ids : the clients the run expects.
     min_clients : fewer connected clients than this fail the round (``min_train_clients``).
     wait_for_clients : how long the first round waits for every expected client (seconds).
-    query_timeout : how long to wait for identification replies (the round timeout).
+    query_timeout : how long to wait for identification replies (the round timeout); also
+        every message's time to live, so that a message whose round gave up on it is never
+        delivered late, and a reply that comes after the round is refused by the SuperLink
+        instead of being stored where nobody pulls it (Flower's default TTL is 12 hours: in
+        a simulation whose round timed out, the clients went on training and each late
+        reply's arrays stayed in the server's memory).
     """
 
     def __init__(self, client_ids: Iterable[str], min_clients: int, wait_for_clients: float,
@@ -99,7 +104,7 @@ class ClientDirectory:
         if not unknown:
             return
         messages = [Message(content=RecordDict({CONFIG_KEY: ConfigRecord({})}), message_type=MessageType.QUERY,
-                            dst_node_id=n) for n in unknown]
+                            dst_node_id=n, ttl=self.query_timeout) for n in unknown]
         for msg in send_and_receive(grid, messages, timeout=self.query_timeout):
             if msg.has_error():
                 log(WARNING, "node %s did not identify itself: %s", msg.metadata.src_node_id, msg.error.reason)
@@ -191,7 +196,8 @@ class ClientDirectory:
         if not client_id.startswith("node-"):
             config = {**config, TARGET_CLIENT: client_id}
         record = RecordDict({ARRAYS_KEY: self.record_of(payload), CONFIG_KEY: ConfigRecord(dict(config))})
-        msg = Message(content=record, message_type=message_type, dst_node_id=self.node_of[client_id])
+        msg = Message(content=record, message_type=message_type, dst_node_id=self.node_of[client_id],
+                      ttl=self.query_timeout)
         self._addressed.append((msg, client_id))
         return msg
 

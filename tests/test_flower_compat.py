@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from flwr.app import Message, MessageType
 
 from common import flower_compat
 from ops import cli
@@ -122,3 +125,69 @@ def test_a_message_whose_run_stops_while_it_is_received_is_dropped(monkeypatch: 
     assert flower_compat.release_messages_of_stopped_runs(loop)
     assert flower_compat.release_messages_of_stopped_runs(loop)                    # once only
     assert _receive_a_message_of_a_run_that_stops(loop) == (0, ["finished"])
+
+
+def _in_memory_link(monkeypatch: pytest.MonkeyPatch) -> tuple[object, int]:
+    """Flower's in-memory LinkState with one node and a run pre-registered as
+    ``flwr/simulation/run_simulation.py`` does it, and the ServerApp's task identity."""
+    import secrets
+
+    from flwr.common.constant import HEARTBEAT_INTERVAL_INF, NOOP_ACCOUNT_NAME, NOOP_FLWR_AID
+    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.federation import NoOpFederationManager
+
+    state = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()).state()
+    node = state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32),
+                             heartbeat_interval=HEARTBEAT_INTERVAL_INF)
+    state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=HEARTBEAT_INTERVAL_INF)
+    run = Run.create_empty(5)
+    run.primary_task_id, run.federation_id = 11, NOOP_FEDERATION_ID
+    state.task_store[11] = Task(task_id=11, run_id=run.run_id)
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    for name, value in (("_run_id", run.run_id), ("_node_id", 1), ("_task_id", 11)):   # the SuperLink's node: 1
+        monkeypatch.setattr(TaskIdentity, name, value)
+    return state, node
+
+
+@pytest.mark.parametrize("ttl", ["round timeout", "flower default"])
+def test_a_reply_after_the_round_timeout_is_refused_not_kept(monkeypatch: pytest.MonkeyPatch, ttl: str) -> None:
+    """pflower's messages live as long as their round waits (``ClientDirectory.message``:
+    TTL = round_timeout). On Flower's real in-memory LinkState a reply that comes after that is
+    refused and nothing of it is kept; with Flower's default TTL (12 h) it is stored, and after a
+    round that timed out nobody ever pulls it (FedBasis' 80-client round: 213 MB of bases per
+    late reply in the server). A message not delivered before its TTL is never delivered."""
+    import time
+
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from common.protocol import make_reply
+    from strategies.addressing import ClientDirectory
+
+    state, node = _in_memory_link(monkeypatch)
+    grid = InMemoryGrid(state_factory=SimpleNamespace(state=lambda: state))
+    grid.set_run(state.run_ids[5].run)
+    directory = ClientDirectory(["0"], 1, wait_for_clients=1.0, query_timeout=0.4)
+    directory.node_of["0"] = node
+    msg = directory.message("0", {"w": np.ones(3, np.float32)}, {}, MessageType.TRAIN)
+    if ttl == "flower default":
+        msg = Message(content=msg.content, message_type=MessageType.TRAIN, dst_node_id=node)
+    assert msg.metadata.ttl == (0.4 if ttl == "round timeout" else 43200.0)
+    grid.push_messages([msg])
+    [delivered] = state.get_message_ins(node_id=node, limit=1)
+    late = directory.message("0", {"w": np.ones(3, np.float32)}, {}, MessageType.TRAIN)
+    grid.push_messages([late])
+    time.sleep(0.6)                                      # the round gave up on both
+    reply = make_reply(delivered, {"w": np.full(3, 2.0, np.float32)}, {"loss": 1.0}, "0", 3)
+    reply.metadata.__dict__["_message_id"] = "reply"
+    stored = state.store_message_res(reply)
+    if ttl == "flower default":
+        assert stored == "reply" and len(state.message_res_store) == 1
+        return
+    assert stored is None and not state.message_res_store           # refused, nothing kept
+    assert state.get_message_ins(node_id=node, limit=None) == []     # the other one: never delivered
