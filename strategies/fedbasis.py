@@ -67,8 +67,10 @@ class FedBasis(PersonalizedStrategy):
         return {k: v for k, v in self.global_arrays.items() if k.startswith(self.warm_prefix)}
 
     def streams_round(self, server_round: int) -> bool:
-        """Per-basis FedAvg folds as replies arrive; the seeding round needs every model at once."""
-        return self.seeded and super().streams_round(server_round)
+        """Per-basis FedAvg (and the warm-up's FedAvg) folds as replies arrive; the round that
+        seeds the bases needs every client's model at once (K-means)."""
+        seeding = not self.seeded and server_round >= self.warm_rounds
+        return not seeding and super().streams_round(server_round)
 
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         if self.seeded:
