@@ -62,6 +62,29 @@ def gpu_share(num_clients: int, gpus: int, cpus: int, cpus_per_client: float) ->
     return 1.0 / per_gpu
 
 
+def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str) -> None:
+    """A client that asks for more than this machine has never starts: Flower's Ray engine
+    builds an empty actor pool and the run dies after its start-up ("ActorPool is empty").
+    Refused before anything starts, for the private Ray instance (a cluster may have more)."""
+    if ray_address != "local":
+        return
+    import torch
+
+    cpus = os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_cpus <= 0:
+        raise ConfigError(f"--num-cpus {_num(num_cpus)}: each simulated client needs a positive CPU share "
+                          "(e.g. --num-cpus 1)")
+    if num_cpus > cpus:
+        raise ConfigError(f"--num-cpus {_num(num_cpus)} per client, but this machine has {cpus} CPUs: no "
+                          f"simulated client could start; use --num-cpus {cpus} or less (clients run "
+                          "num_cpus_of_machine / --num-cpus at a time)")
+    if num_gpus > max(gpus, 0):
+        raise ConfigError(f"--num-gpus {_num(num_gpus)} per client, but this machine has {gpus} GPU(s): no "
+                          "simulated client could start; use a share such as --num-gpus 0.25, or leave it "
+                          "out (an automatic share)")
+
+
 def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None,
                       cpus_per_client: float) -> float:
     """The ``client-resources-num-gpus`` of a simulation. Ray hides the GPU from actors that
@@ -225,6 +248,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         cfg, run_cfg, rest, n = preflight(args)
         num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus))
+        ray_address = use_ray_cluster(getattr(args, "ray_address", None))
+        check_client_resources(float(args.num_cpus), num_gpus, ray_address)
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
@@ -233,7 +258,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
                   f"client-resources-num-gpus={_num(num_gpus)}")
-    ray_address = use_ray_cluster(getattr(args, "ray_address", None))
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}"
           + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else "")
           + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
@@ -448,14 +472,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep") -> tuple[Path | None, bool]:
-    """Run one configuration, or reuse its finished folder (``overwrite=true`` runs it again).
-    Returns (the run folder, or None when it failed; whether it completed only partly)."""
+def run_folder(combo: list[str]) -> tuple[Path, bool]:
+    """The folder a configuration runs into, and whether a finished run is there to reuse
+    (``overwrite=true`` never reuses; a run marked FAILED is run again)."""
     run_cfg, rest = split_overrides(combo)
     root = Path(run_cfg.get("results-root", "results")).resolve()
     cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
     folder = root / cfg.run_name
-    if (folder / "summary.json").exists() and not cfg.overwrite and not (folder / "FAILED").exists():
+    done = (folder / "summary.json").exists() and not cfg.overwrite and not (folder / "FAILED").exists()
+    return folder, done
+
+
+def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep") -> tuple[Path | None, bool]:
+    """Run one configuration, or reuse its finished folder (``overwrite=true`` runs it again).
+    Returns (the run folder, or None when it failed; whether it completed only partly)."""
+    folder, done = run_folder(combo)
+    if done:
         print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
         return folder, False
     code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
@@ -465,18 +497,84 @@ def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep")
     return folder, code == EXIT_PARTIAL
 
 
+def run_command(combo: list[str], args: argparse.Namespace) -> list[str]:
+    """The ``pflower run`` command line of one configuration, with the sweep's options."""
+    cmd = [sys.executable, "-m", "ops.cli", "run", *combo, "--num-cpus", _num(args.num_cpus),
+           "--max-recoveries", str(args.max_recoveries)]
+    if args.num_gpus is not None:
+        cmd += ["--num-gpus", _num(args.num_gpus)]
+    if args.ray_address:
+        cmd += ["--ray-address", str(args.ray_address)]
+    return cmd
+
+
+def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, who: str = "sweep",
+                    poll_s: float = 1.0) -> list[tuple[Path | None, bool]]:
+    """``--jobs N``: the grid's runs N at a time, each a ``pflower run`` process of its own
+    (its own SuperLink and Ray instance), so a many-core box runs a table's small runs side by
+    side instead of one after another (a run of a small model uses about two cores however
+    many it is given: its server and SuperLink are sequential). Each run's output goes to
+    ``<results_root>/.sweep-logs/<run name>.log``; a finished run is reused, as sequentially.
+    Returns, in grid order, what :func:`run_or_reuse` returns for each configuration."""
+    import subprocess
+
+    from ops.deployment.launch import kill_tree
+
+    folders = [run_folder(combo) for combo in grid]
+    results: dict[Path, tuple[Path | None, bool]] = {}
+    waiting: list[tuple[int, list[str], Path]] = []
+    for i, (combo, (folder, done)) in enumerate(zip(grid, folders, strict=True), 1):
+        if done:
+            print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
+            results[folder] = (folder, False)
+        elif folder not in {f for _, _, f in waiting}:   # the same run named twice runs once
+            waiting.append((i, combo, folder))
+    running: dict[Path, tuple[subprocess.Popen, Path, int]] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                i, combo, folder = waiting.pop(0)
+                log = folder.parent / ".sweep-logs" / f"{folder.name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("w") as out:
+                    proc = subprocess.Popen(run_command(combo, args), stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                running[folder] = (proc, log, i)
+                print(f"pflower {who}: [{i}/{len(grid)}] started {' '.join(combo)} (output: {log})", flush=True)
+            for folder, (proc, log, i) in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[folder]
+                ok = code in (0, EXIT_PARTIAL)
+                results[folder] = (folder if ok else None, code == EXIT_PARTIAL)
+                print(f"pflower {who}: [{i}/{len(grid)}] " + (f"done: {folder}" if ok else
+                      f"failed (exit {code}); its output: {log}"), flush=True)
+            time.sleep(poll_s)
+    finally:
+        for proc, _, _ in running.values():   # interrupted: each run stops its own Flower processes
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+        for proc, _, _ in running.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+    return [results[folder] for folder, _ in folders]
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = expand_grid(args.overrides)
-    runs: list[Path] = []
-    failures = 0
-    for i, combo in enumerate(grid, 1):
-        print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
-        folder, partial = run_or_reuse(combo, args)
-        if folder is None:
-            failures += 1
-            continue
-        failures += partial
-        runs.append(folder)
+    jobs = int(getattr(args, "jobs", 1) or 1)
+    if jobs > 1:
+        outcomes = run_in_parallel(grid, args, jobs)
+    else:
+        outcomes = []
+        for i, combo in enumerate(grid, 1):
+            print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
+            outcomes.append(run_or_reuse(combo, args))
+    runs = [folder for folder, _ in outcomes if folder is not None]
+    failures = sum(1 for folder, partial in outcomes if folder is None or partial)
     if runs:
         cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
     return 1 if failures else 0
@@ -552,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.add_argument("--ray-address", default=None, help="as for run")
+    s.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each its own `pflower run` process (default 1: one after another); "
+                        "a run of a small model uses about two cores, so e.g. --jobs 6 --num-cpus 4 on 16 "
+                        "cores; each run's output goes to <results_root>/.sweep-logs/")
     s.set_defaults(func=cmd_sweep)
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser

@@ -49,3 +49,33 @@ def test_pflower_run_device_cuda_without_a_gpu_stops_before_starting(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "no CUDA GPU" in out.stderr and "device=auto" in out.stderr
     assert not any(tmp_path.iterdir())   # nothing started, no run folder
+
+
+def test_client_resources_beyond_the_machine_are_refused_by_name(monkeypatch):
+    """A client asking for more CPUs or GPUs than the machine has never starts (Flower's Ray
+    engine would build an empty actor pool and the run die after start-up)."""
+    import os
+
+    from ops.cli import check_client_resources
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    _pretend_gpus(monkeypatch, 1)
+    check_client_resources(16.0, 1.0, "local")          # the whole machine per client: fine
+    check_client_resources(4.0, 0.25, "local")
+    with pytest.raises(ConfigError, match=r"--num-cpus 17 per client, but this machine has 16 CPUs.*--num-cpus 16"):
+        check_client_resources(17.0, 0.0, "local")
+    with pytest.raises(ConfigError, match=r"--num-gpus 2 per client, but this machine has 1 GPU"):
+        check_client_resources(1.0, 2.0, "local")
+    with pytest.raises(ConfigError, match="positive CPU share"):
+        check_client_resources(0.0, 0.0, "local")
+    check_client_resources(64.0, 4.0, "10.0.0.1:6379")  # a Ray cluster may have more: its own check
+
+
+def test_pflower_run_with_more_cpus_per_client_than_the_machine_stops_before_starting(tmp_path):
+    import os
+
+    too_many = (os.cpu_count() or 1) + 1
+    out = pflower("run", "rounds=1", f"results_root={tmp_path}", "--num-cpus", str(too_many), timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--num-cpus {too_many} per client" in out.stderr
+    assert not any(tmp_path.iterdir())   # nothing started, no run folder

@@ -1,0 +1,145 @@
+"""``pflower sweep --jobs N``: a grid's runs N at a time, each its own ``pflower run`` process.
+
+The scheduler is tested with a stand-in for ``pflower run`` (a small Python process that
+sleeps, then writes the run folder's ``summary.json``, or exits 1), so that what is checked
+is the scheduling itself: never more than N at once, every run done, each outcome mapped as
+the sequential sweep maps it, finished runs reused, a run named twice run once, and an
+interrupted sweep stopping the runs it started. The real thing (two Flower simulations side by
+side) is the e2e test at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import pflower
+
+import ops.cli as cli
+
+FAKE_RUN = r"""
+import json, os, sys, time
+folder, log, seconds, code = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+with open(log, "a") as f: f.write(json.dumps({"folder": folder, "start": time.time(), "pid": os.getpid()}) + "\n")
+time.sleep(seconds)
+if code == 0:
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, "summary.json"), "w").write("{}")
+with open(log, "a") as f: f.write(json.dumps({"folder": folder, "end": time.time()}) + "\n")
+sys.exit(code)
+"""
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address=None, **kw)
+
+
+@pytest.fixture
+def fake_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``pflower run`` replaced by FAKE_RUN: seed 13 fails (exit 1), seed 14 is partial (exit 4)."""
+    script, log = tmp_path / "fake_run.py", tmp_path / "events.jsonl"
+    script.write_text(FAKE_RUN)
+
+    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+        folder, _ = cli.run_folder(combo)
+        seed = next(int(c.split("=")[1]) for c in combo if c.startswith("seed="))
+        code = {13: 1, 14: cli.EXIT_PARTIAL}.get(seed, 0)
+        return [sys.executable, str(script), str(folder), str(log), "0.6", str(code)]
+
+    monkeypatch.setattr(cli, "run_command", command)
+    return log
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _most_at_once(events: list[dict]) -> int:
+    edges = sorted([(e["start"], 1) for e in events if "start" in e] + [(e["end"], -1) for e in events if "end" in e])
+    now = peak = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def test_runs_n_at_a_time_and_maps_every_outcome_as_the_sequential_sweep(fake_runs: Path, tmp_path: Path) -> None:
+    root = tmp_path / "results"
+    grid = cli.expand_grid([f"results_root={root}", "strategy=fedavg", "seed=0,1,13,14,2"])
+    done_before = cli.run_folder(grid[4])[0]          # seed 2 finished earlier: reused, not run
+    done_before.mkdir(parents=True)
+    (done_before / "summary.json").write_text("{}")
+
+    outcomes = cli.run_in_parallel(grid + [grid[0]], _args(), jobs=2, poll_s=0.05)
+
+    folders = [cli.run_folder(c)[0] for c in grid]
+    assert outcomes == [(folders[0], False), (folders[1], False), (None, False), (folders[3], True),
+                        (folders[4], False), (folders[0], False)]
+    events = _events(fake_runs)
+    started = [e["folder"] for e in events if "start" in e]
+    assert sorted(started) == sorted(str(f) for f in folders[:4])   # each once; the done one never
+    assert _most_at_once(events) == 2                              # two at a time, never three
+    assert all((root / ".sweep-logs" / f"{f.name}.log").exists() for f in folders[:4])
+
+
+def test_one_job_at_a_time_never_overlaps(fake_runs: Path, tmp_path: Path) -> None:
+    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
+    outcomes = cli.run_in_parallel(grid, _args(), jobs=1, poll_s=0.05)
+    assert all(folder is not None for folder, _ in outcomes)
+    assert _most_at_once(_events(fake_runs)) == 1
+
+
+def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "forever.py"
+    pids = tmp_path / "pids"
+    script.write_text("import os, sys, time\nopen(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\ntime.sleep(600)\n")
+    monkeypatch.setattr(cli, "run_command", lambda combo, args: [sys.executable, str(script), str(pids)])
+    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
+
+    def interrupt_soon() -> None:
+        for _ in range(200):
+            if pids.exists() and len(pids.read_text().split()) == 2:
+                break
+            time.sleep(0.05)
+        import _thread
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_soon, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2                        # the third never started
+    for pid in started:
+        with pytest.raises(ProcessLookupError):      # stopped and reaped, not left running
+            import os
+            os.kill(pid, 0)
+
+
+def test_the_command_of_each_run_carries_the_sweeps_options() -> None:
+    cmd = cli.run_command(["strategy=fedbn", "seed=1"],
+                          argparse.Namespace(num_cpus=4.0, num_gpus=0.25, max_recoveries=2, ray_address="10.0.0.1:6379"))
+    assert cmd[1:] == ["-m", "ops.cli", "run", "strategy=fedbn", "seed=1", "--num-cpus", "4",
+                       "--max-recoveries", "2", "--num-gpus", "0.25", "--ray-address", "10.0.0.1:6379"]
+
+
+@pytest.mark.e2e
+def test_pflower_sweep_with_two_jobs_runs_two_simulations_side_by_side(tmp_path: Path) -> None:
+    out = pflower("sweep", "strategy=fedavg", "seed=0,1", "rounds=1", f"results_root={tmp_path}",
+                  "--jobs", "2", "--out", str(tmp_path / "table.md"), timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    summaries = sorted((json.loads((run / "summary.json").read_text()) for run in runs), key=lambda s: s["seed"])
+    assert [(s["status"], s["seed"], s["rounds"]) for s in summaries] == [("completed", 0, 1), ("completed", 1, 1)]
+    for summary in summaries:
+        assert 0.0 <= summary["accuracy_mean"] <= 1.0
+    logs = sorted(p.name for p in (tmp_path / ".sweep-logs").iterdir())
+    assert logs == sorted(f"{run.name}.log" for run in runs)
+    table = (tmp_path / "table.md").read_text()
+    assert "| fedavg |" in table and "| 0,1 |" in table, table     # both seeds in one row
+    lines = [line for line in out.stdout.splitlines() if line.startswith("pflower sweep: [")]
+    assert [("started" in line) for line in lines] == [True, True, False, False], lines   # both began before either ended
