@@ -112,13 +112,15 @@ class RunningMean:
         if self.count and set(arrays) != set(self.sums):
             raise ValueError(f"a client's arrays {sorted(set(arrays) ^ set(self.sums))[:3]} differ from the "
                              "first client's; every client of a mean uploads the same tensors")
+        for key, value in arrays.items():   # every check before the first add: a refusal changes nothing
+            if key in self.sums and tuple(self.sums[key].shape) != np.shape(value):
+                raise ValueError(f"array {key!r} has shape {np.shape(value)}, the first client's "
+                                 f"{tuple(self.sums[key].shape)}")
         for key, value in arrays.items():
             a = np.asarray(value)
             if key not in self.sums:
                 self.sums[key] = torch.zeros(a.shape, dtype=torch.float64, device=self.device)
                 self.dtypes[key] = a.dtype
-            elif tuple(self.sums[key].shape) != a.shape:
-                raise ValueError(f"array {key!r} has shape {a.shape}, the first client's {tuple(self.sums[key].shape)}")
             # one float64 copy of one tensor at a time (also takes Flower's read-only arrays)
             self.sums[key].add_(torch.from_numpy(np.array(a, dtype=np.float64)).to(self.device), alpha=weight)
         self.total += float(weight)

@@ -166,12 +166,24 @@ class TrainReplies:
         if self.fold is None or not msg.has_content():
             return msg
         if update is not None and update.arrays:
-            self.fold(update)
-            update.arrays, update.extra = {}, {}
-            self.folded += 1
+            try:
+                self.fold(update)
+            except ValueError as err:   # the running mean refused it (and is unchanged): a rejection
+                self._reject_folded(update, str(err))
+            else:
+                update.arrays, update.extra = {}, {}
+                self.folded += 1
         for key in list(msg.content.array_records):   # a rejected reply's arrays are of no use either
             del msg.content[key]
         return msg
+
+    def _reject_folded(self, update: ClientUpdate, reason: str) -> None:
+        """An update the fold refused leaves the round as a rejected one would."""
+        self.updates.remove(update)
+        self.log.replied.remove(update.client_id)
+        self.log.bytes_up.pop(update.client_id, None)
+        self.log.rejected[update.client_id] = reason
+        log(WARNING, "rejected the update of client %s: %s", update.client_id, reason)
 
     def _parse(self, msg: Message) -> ClientUpdate | None:
         round_log = self.log

@@ -75,6 +75,11 @@ def test_running_mean_names_what_does_not_fit() -> None:
             running.add({"w": np.ones(3, np.float32)}, bad)
     assert running.count == 1                     # nothing half-added
     np.testing.assert_array_equal(running.result()["w"], np.ones(3, np.float32))
+    two = RunningMean(CPU)
+    two.add({"a": np.ones(2, np.float32), "w": np.ones(3, np.float32)}, 1.0)
+    with pytest.raises(ValueError, match="'w' has shape"):   # "a" fits, "w" does not: "a" is not added either
+        two.add({"a": np.full(2, 5.0, np.float32), "w": np.ones(4, np.float32)}, 1.0)
+    np.testing.assert_array_equal(two.result()["a"], np.ones(2, np.float32))
     with pytest.raises(ValueError, match="positive total weight"):
         RunningMean(CPU).result()
 
@@ -170,3 +175,23 @@ def test_a_round_streams_past_its_limit_and_only_where_the_rule_is_a_mean() -> N
         assert cls.mean_rule, cls.name
     for cls in (FDSE, FEDORA, FedBABU, Local):      # their rules need every update at once (or none)
         assert not cls.mean_rule, cls.name
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_an_update_the_running_mean_refuses_is_rejected_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the fold refuse a validated update (the running mean's own checks), the round goes
+    on: that client is logged as rejected, the mean is over the others, unchanged by it."""
+    add = RunningMean.add
+
+    def refuse_client_1(self: RunningMean, arrays: dict, weight: float) -> None:
+        if float(np.asarray(arrays["w"]).flat[0]) == VALUES["1"]:
+            raise ValueError("refused by the running mean")
+        add(self, arrays, weight)
+
+    monkeypatch.setattr(RunningMean, "add", refuse_client_1)
+    st, _, _, result = _round(stream_replies_mb=0.0)
+    log = result.log
+    assert log.replied == ["0", "2"] and log.rejected["1"] == "refused by the running mean"
+    assert "1" not in log.bytes_up and result.metrics["clients"] == 2.0
+    expected = _slow_mean([{"w": np.full((4, 3), VALUES[c])} for c in ("0", "2")], [SIZES["0"], SIZES["2"]])
+    np.testing.assert_allclose(st.global_arrays["w"], expected["w"], rtol=1e-7)
