@@ -27,6 +27,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "docs/methods/partialfed.md": ("partialfed-digits", ("partialfed-fix", "partialfed-adaptive", "fedavg",
                                                          "fedavg-ft", "fedbn", "local")),
     "docs/methods/fedbasis.md": ("fedbasis-digits", ("fedbasis", "fedavg")),
+    "docs/methods/fedbabu.md": ("fedbabu-mnist5k", ("fedbabu", "fedavg-ft")),
     "docs/methods/fedora.md": ("fedora-mnist5k-rotated", ("fedora", "local", "fedavg", "fedprox-ft", "ditto")),
 }
 # keys that say where a run goes, not what it computes
