@@ -47,6 +47,7 @@ def _num(x: float) -> str:
 
 
 EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
+EXIT_INTERRUPTED = 130   # Ctrl-C or SIGTERM: every Flower process of the run was stopped
 DEFAULT_MAX_RECOVERIES = 3   # automatic resumes of a run whose processes died
 ACTORS_PER_GPU = 8  # each client actor holds its own CUDA context (about 0.5 GB) and model
 
@@ -289,7 +290,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 3
     except KeyboardInterrupt:
         print("pflower: interrupted; all Flower processes were stopped", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     code = attempt.code
     failed = run_dir / "FAILED"
     if fresh(failed, started):
@@ -492,6 +493,8 @@ def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep")
         return folder, False
     code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                                       max_recoveries=args.max_recoveries, ray_address=args.ray_address))
+    if code == EXIT_INTERRUPTED:   # Ctrl-C stops the sweep (or tune), not only its current run
+        raise KeyboardInterrupt(f"{who} interrupted during {' '.join(combo)}")
     if code not in (0, EXIT_PARTIAL):
         return None, False
     return folder, code == EXIT_PARTIAL
@@ -566,13 +569,18 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = expand_grid(args.overrides)
     jobs = int(getattr(args, "jobs", 1) or 1)
-    if jobs > 1:
-        outcomes = run_in_parallel(grid, args, jobs)
-    else:
-        outcomes = []
-        for i, combo in enumerate(grid, 1):
-            print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
-            outcomes.append(run_or_reuse(combo, args))
+    outcomes: list[tuple[Path | None, bool]] = []
+    try:
+        if jobs > 1:
+            outcomes = run_in_parallel(grid, args, jobs)
+        else:
+            for i, combo in enumerate(grid, 1):
+                print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
+                outcomes.append(run_or_reuse(combo, args))
+    except KeyboardInterrupt:
+        print(f"pflower sweep: interrupted after {len(outcomes)} of {len(grid)} runs; finished runs are "
+              "reused when the same sweep is run again", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     runs = [folder for folder, _ in outcomes if folder is not None]
     failures = sum(1 for folder, partial in outcomes if folder is None or partial)
     if runs:

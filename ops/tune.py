@@ -129,6 +129,9 @@ def cmd_tune(args: argparse.Namespace, run_one: RunOne, compare: Callable[[argpa
     except (ConfigError, ValueError) as err:
         print(f"pflower tune: {err}", flush=True)
         return 2
+    except KeyboardInterrupt:
+        print("pflower tune: interrupted; finished runs are reused when the same tune is run again", flush=True)
+        return 130
     run_cfg, _ = split_overrides(list(args.overrides))
     root = Path(run_cfg.get("results-root", "results")).resolve()
     root.mkdir(parents=True, exist_ok=True)

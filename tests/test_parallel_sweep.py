@@ -143,3 +143,28 @@ def test_pflower_sweep_with_two_jobs_runs_two_simulations_side_by_side(tmp_path:
     assert "| fedavg |" in table and "| 0,1 |" in table, table     # both seeds in one row
     lines = [line for line in out.stdout.splitlines() if line.startswith("pflower sweep: [")]
     assert [("started" in line) for line in lines] == [True, True, False, False], lines   # both began before either ended
+
+
+def test_ctrl_c_during_a_run_stops_the_whole_sweep_and_tune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted run (exit 130: its Flower processes stopped) ends the sweep or tune, which
+    used to go on with the next configuration."""
+    started: list[list[str]] = []
+
+    def interrupted_second(args: argparse.Namespace) -> int:
+        started.append(list(args.overrides))
+        if len(started) == 2:
+            return cli.EXIT_INTERRUPTED                              # the second is Ctrl-C'd
+        folder, _ = cli.run_folder(list(args.overrides))             # the first ends (partly)
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"best_val_accuracy": 0.5}))
+        return cli.EXIT_PARTIAL
+
+    monkeypatch.setattr(cli, "cmd_run", interrupted_second)
+    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    grid = [f"results_root={tmp_path / 's'}", "strategy=fedavg", "seed=0,1,2"]
+    assert cli.main(["sweep", *grid]) == cli.EXIT_INTERRUPTED
+    assert len(started) == 2                                   # seed 2 never started
+    started.clear()
+    assert cli.main(["tune", f"results_root={tmp_path / 't'}", "strategy=fedavg", "--grid", "train.lr=0.01,0.05,0.1",
+                     "--seeds", "0"]) == cli.EXIT_INTERRUPTED
+    assert len(started) == 2
