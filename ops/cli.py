@@ -484,12 +484,17 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
     return folder, done
 
 
+def say_reused(who: str, folder: Path) -> None:
+    """A sweep or tune reuses a finished run instead of running it again."""
+    print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
+
+
 def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep") -> tuple[Path | None, bool]:
     """Run one configuration, or reuse its finished folder (``overwrite=true`` runs it again).
     Returns (the run folder, or None when it failed; whether it completed only partly)."""
     folder, done = run_folder(combo)
     if done:
-        print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
+        say_reused(who, folder)
         return folder, False
     code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                                       max_recoveries=args.max_recoveries, ray_address=args.ray_address))
@@ -528,7 +533,7 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
     waiting: list[tuple[int, list[str], Path]] = []
     for i, (combo, (folder, done)) in enumerate(zip(grid, folders, strict=True), 1):
         if done:
-            print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
+            say_reused(who, folder)
             results[folder] = (folder, False)
         elif folder not in {f for _, _, f in waiting}:   # the same run named twice runs once
             waiting.append((i, combo, folder))
