@@ -571,26 +571,38 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
     return [results[folder] for folder, _ in folders]
 
 
+def run_all(grid: list[list[str]], args: argparse.Namespace, who: str = "sweep") -> list[tuple[Path | None, bool]]:
+    """A batch of configurations: one after another in this process, or ``--jobs N`` at a time
+    (:func:`run_in_parallel`). Returns what :func:`run_or_reuse` returns for each, in order;
+    Ctrl-C stops the whole batch (``KeyboardInterrupt``)."""
+    jobs = int(getattr(args, "jobs", 1) or 1)
+    if jobs > 1:
+        return run_in_parallel(grid, args, jobs, who)
+    outcomes = []
+    for i, combo in enumerate(grid, 1):
+        print(f"pflower {who}: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
+        outcomes.append(run_or_reuse(combo, args, who))
+    return outcomes
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = expand_grid(args.overrides)
-    jobs = int(getattr(args, "jobs", 1) or 1)
-    outcomes: list[tuple[Path | None, bool]] = []
     try:
-        if jobs > 1:
-            outcomes = run_in_parallel(grid, args, jobs)
-        else:
-            for i, combo in enumerate(grid, 1):
-                print(f"pflower sweep: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
-                outcomes.append(run_or_reuse(combo, args))
+        outcomes = run_all(grid, args)
     except KeyboardInterrupt:
-        print(f"pflower sweep: interrupted after {len(outcomes)} of {len(grid)} runs; finished runs are "
-              "reused when the same sweep is run again", file=sys.stderr, flush=True)
+        print(f"pflower sweep: interrupted ({len(grid)} runs in the grid); finished runs are reused when the "
+              "same sweep is run again", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     runs = [folder for folder, _ in outcomes if folder is not None]
     failures = sum(1 for folder, partial in outcomes if folder is None or partial)
     if runs:
         cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
     return 1 if failures else 0
+
+
+JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another); a run of a "
+             "small model uses about two cores, so e.g. --jobs 6 --num-cpus 4 on 16 cores; each run's output "
+             "goes to <results_root>/.sweep-logs/")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -663,10 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.add_argument("--ray-address", default=None, help="as for run")
-    s.add_argument("--jobs", type=int, default=1,
-                   help="runs at once, each its own `pflower run` process (default 1: one after another); "
-                        "a run of a small model uses about two cores, so e.g. --jobs 6 --num-cpus 4 on 16 "
-                        "cores; each run's output goes to <results_root>/.sweep-logs/")
+    s.add_argument("--jobs", type=int, default=1, help=JOBS_HELP)
     s.set_defaults(func=cmd_sweep)
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser
@@ -674,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_deploy_parser(sub)
     add_personalize_parser(sub)
-    add_tune_parser(sub, run_or_reuse, cmd_compare, DEFAULT_MAX_RECOVERIES)
+    add_tune_parser(sub, run_all, cmd_compare, DEFAULT_MAX_RECOVERIES, JOBS_HELP)
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves
     # `rounds=5` unparsed (argparse stops the positional list at the option)

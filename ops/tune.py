@@ -13,7 +13,8 @@ it. Test accuracy never takes part in the choice.
 method's own keys); several axes are crossed. The validation score is the run's
 ``best_val_accuracy`` (``summary.json``; the round chosen by ``best_round_by``). Finished runs are
 reused, as ``pflower sweep`` does. The choices go to ``<results_root>/tuning.json`` and the
-table's head.
+table's head. ``--jobs N`` runs N at a time, as for ``pflower sweep``: first every method's grid,
+then every method's seeds.
 """
 
 from __future__ import annotations
@@ -73,39 +74,54 @@ def validation_score(run: Path) -> float:
     return float(score)
 
 
-RunOne = Callable[[list[str], argparse.Namespace, str], tuple[Path | None, bool]]
+RunAll = Callable[[list[list[str]], argparse.Namespace, str], list[tuple[Path | None, bool]]]
 
 
 def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], tune_seed: int,
-         args: argparse.Namespace, run_one: RunOne) -> tuple[list[dict[str, Any]], list[Path], int]:
+         args: argparse.Namespace, run_all: RunAll) -> tuple[list[dict[str, Any]], list[Path], int]:
     """For each setting of ``overrides`` (comma lists swept; seed excluded): the grid at
     ``tune_seed``, the best combination on validation, then ``seeds`` at it. Returns the
-    choices, the seed runs and the number of failed runs."""
+    choices, the seed runs and the number of failed runs.
+
+    Two batches go to ``run_all`` (``ops/cli.py``'s: one after another, or ``--jobs`` at a
+    time): every setting's grid, then every setting's seeds at its choice, so a many-core box
+    runs a whole phase side by side. A setting whose grid runs all failed is reported and
+    gets no seed runs; the other settings go on."""
     if any(o.lstrip("+~").startswith("seed=") for o in overrides):
         raise ConfigError("give the seeds with --seeds (and the tuning seed with --tune-seed), not seed=")
-    choices: list[dict[str, Any]] = []
-    runs: list[Path] = []
-    failures = 0
+    settings = []
     for setting in expand_grid(overrides):
         run_cfg, rest = split_overrides(setting)
         strategy = str(compose_config(run_cfg, rest).strategy.name)
+        settings.append((setting, strategy, grid_for(strategy, axes)))
+    grid_runs = [[*setting, *combo, f"seed={tune_seed}"] for setting, _, combos in settings for combo in combos]
+    print(f"pflower tune: {len(grid_runs)} grid runs at seed {tune_seed}, then {len(seeds)} seeds for each of "
+          f"{len(settings)} settings", flush=True)
+    outcomes = iter(run_all(grid_runs, args, "tune"))
+    choices: list[dict[str, Any]] = []
+    failures = 0
+    for setting, strategy, combos in settings:
         scored = []
-        for combo in grid_for(strategy, axes):
-            folder, partial = run_one([*setting, *combo, f"seed={tune_seed}"], args, "tune")
+        for combo in combos:
+            folder, partial = next(outcomes)
             failures += folder is None or partial
             if folder is not None:
                 scored.append((combo, validation_score(folder)))
+        if not scored:
+            print(f"pflower tune: {' '.join(setting)}: every grid run failed; no seeds are run for it", flush=True)
+            continue
         best, score = select_best(scored)
         choices.append({"setting": setting, "strategy": strategy, "chosen": best, "val_accuracy": score,
                         "tuning_seed": tune_seed,
                         "grid": [{"overrides": c, "val_accuracy": s} for c, s in scored]})
         print(f"pflower tune: {' '.join(setting)}: {' '.join(best) or '(nothing to tune)'} "
               f"(validation accuracy {score:.4f} at seed {tune_seed})", flush=True)
-        for seed in seeds:
-            folder, partial = run_one([*setting, *best, f"seed={seed}"], args, "tune")
-            failures += folder is None or partial
-            if folder is not None:
-                runs.append(folder)
+    seed_runs = [[*c["setting"], *c["chosen"], f"seed={seed}"] for c in choices for seed in seeds]
+    runs: list[Path] = []
+    for folder, partial in run_all(seed_runs, args, "tune"):
+        failures += folder is None or partial
+        if folder is not None:
+            runs.append(folder)
     return choices, runs, failures
 
 
@@ -118,14 +134,14 @@ def tuning_table(choices: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def cmd_tune(args: argparse.Namespace, run_one: RunOne, compare: Callable[[argparse.Namespace], int]) -> int:
-    """The command: ``run_one`` runs (or reuses) one configuration, ``compare`` writes the table
-    (``ops/cli.py``'s ``run_or_reuse`` and ``cmd_compare``, passed in: the command line imports
-    this module, not the other way round)."""
+def cmd_tune(args: argparse.Namespace, run_all: RunAll, compare: Callable[[argparse.Namespace], int]) -> int:
+    """The command: ``run_all`` runs (or reuses) a batch of configurations, ``compare`` writes
+    the table (``ops/cli.py``'s ``run_all`` and ``cmd_compare``, passed in: the command line
+    imports this module, not the other way round)."""
     try:
         axes = [GridAxis.parse(g) for g in args.grid]
         seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
-        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_one)
+        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_all)
     except (ConfigError, ValueError) as err:
         print(f"pflower tune: {err}", flush=True)
         return 2
@@ -146,7 +162,8 @@ def cmd_tune(args: argparse.Namespace, run_one: RunOne, compare: Callable[[argpa
     return 1 if failures else 0
 
 
-def add_parser(sub: Any, run_one: RunOne, compare: Callable[[argparse.Namespace], int], max_recoveries: int) -> None:
+def add_parser(sub: Any, run_all: RunAll, compare: Callable[[argparse.Namespace], int], max_recoveries: int,
+               jobs_help: str) -> None:
     p = sub.add_parser("tune", help="choose each method's hyper-parameters on validation accuracy, then run the "
                                     "seeds at them", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,4 +178,5 @@ def add_parser(sub: Any, run_one: RunOne, compare: Callable[[argparse.Namespace]
     p.add_argument("--num-gpus", type=float, default=None, help="as for run")
     p.add_argument("--max-recoveries", type=int, default=max_recoveries, help="as for run")
     p.add_argument("--ray-address", default=None, help="as for run")
-    p.set_defaults(func=lambda args: cmd_tune(args, run_one, compare))
+    p.add_argument("--jobs", type=int, default=1, help=jobs_help)
+    p.set_defaults(func=lambda args: cmd_tune(args, run_all, compare))

@@ -25,11 +25,12 @@ import ops.cli as cli
 FAKE_RUN = r"""
 import json, os, sys, time
 folder, log, seconds, code = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+summary = sys.argv[5] if len(sys.argv) > 5 else "{}"
 with open(log, "a") as f: f.write(json.dumps({"folder": folder, "start": time.time(), "pid": os.getpid()}) + "\n")
 time.sleep(seconds)
 if code == 0:
     os.makedirs(folder, exist_ok=True)
-    open(os.path.join(folder, "summary.json"), "w").write("{}")
+    open(os.path.join(folder, "summary.json"), "w").write(summary)
 with open(log, "a") as f: f.write(json.dumps({"folder": folder, "end": time.time()}) + "\n")
 sys.exit(code)
 """
@@ -143,6 +144,36 @@ def test_pflower_sweep_with_two_jobs_runs_two_simulations_side_by_side(tmp_path:
     assert "| fedavg |" in table and "| 0,1 |" in table, table     # both seeds in one row
     lines = [line for line in out.stdout.splitlines() if line.startswith("pflower sweep: [")]
     assert [("started" in line) for line in lines] == [True, True, False, False], lines   # both began before either ended
+
+
+def test_tune_with_jobs_runs_every_grid_side_by_side_then_every_seed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pflower tune --jobs 2``: both methods' grids are one batch and their seeds a second, so a
+    seed run starts only once every grid run has ended (the choice needs them all)."""
+    script, log = tmp_path / "fake_run.py", tmp_path / "events.jsonl"
+    script.write_text(FAKE_RUN)
+
+    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+        values = dict(c.split("=", 1) for c in combo)
+        val = 0.9 - abs(float(values["train.lr"]) - (0.05 if values["strategy"] == "fedavg" else 0.1))
+        summary = json.dumps({"best_val_accuracy": val, "accuracy_mean": 0.5})
+        return [sys.executable, str(script), str(cli.run_folder(combo)[0]), str(log), "0.3", "0", summary]
+
+    monkeypatch.setattr(cli, "run_command", command)
+    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    root = tmp_path / "r"
+    assert cli.main(["tune", f"results_root={root}", "strategy=fedavg,fedbn", "--grid", "train.lr=0.01,0.05,0.1",
+                     "--seeds", "0,1", "--tune-seed", "5", "--jobs", "2"]) == 0
+    events = _events(log)
+    assert _most_at_once(events) == 2
+    starts = {e["folder"]: e["start"] for e in events if "start" in e}
+    ends = {e["folder"]: e["end"] for e in events if "end" in e}
+    grid = [f for f in starts if f.endswith("-s5") or "-s5-" in f]
+    seeds = [f for f in starts if f not in grid]
+    assert len(grid) == 6 and len(seeds) == 4                     # 3 lrs x 2 methods; 2 seeds x 2 methods
+    assert min(starts[f] for f in seeds) >= max(ends[f] for f in grid)
+    chosen = {c["strategy"]: c["chosen"] for c in json.loads((root / "tuning.json").read_text())}
+    assert chosen == {"fedavg": ["train.lr=0.05"], "fedbn": ["train.lr=0.1"]}
 
 
 def test_ctrl_c_during_a_run_stops_the_whole_sweep_and_tune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

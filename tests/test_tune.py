@@ -53,16 +53,20 @@ class FakeRuns:
                                                          "accuracy_mean": lr}))
         return folder, False
 
+    def all(self, combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
+        """As ``ops/cli.py``'s ``run_all`` one at a time (a batch of ``run_or_reuse`` calls)."""
+        return [self(c, args, who) for c in combos]
+
 
 def test_each_strategy_is_tuned_on_validation_then_run_at_its_choice_for_every_seed(tmp_path: Path) -> None:
     runs = FakeRuns(tmp_path)
     choices, seed_runs, failures = tune(["strategy=fedavg,fedbn", "rounds=2"], [GridAxis.parse("train.lr=0.01,0.05,0.1")],
-                                        [0, 1, 2], 7, argparse.Namespace(), runs)
+                                        [0, 1, 2], 7, argparse.Namespace(), runs.all)
     assert failures == 0
     assert [c["chosen"] for c in choices] == [["train.lr=0.05"], ["train.lr=0.01"]]   # not the test optimum 0.1
-    grid_runs = [c for c in runs.calls if c[-1] == "seed=7"]
-    assert len(grid_runs) == 6                                   # 3 values x 2 strategies, at the tuning seed
-    assert runs.calls[3:6] == [["strategy=fedavg", "rounds=2", "train.lr=0.05", f"seed={s}"] for s in (0, 1, 2)]
+    assert all(c[-1] == "seed=7" for c in runs.calls[:6])        # first every grid run, at the tuning seed
+    assert runs.calls[6:9] == [["strategy=fedavg", "rounds=2", "train.lr=0.05", f"seed={s}"] for s in (0, 1, 2)]
+    assert runs.calls[9:] == [["strategy=fedbn", "rounds=2", "train.lr=0.01", f"seed={s}"] for s in (0, 1, 2)]
     assert len(seed_runs) == 6
     table = tuning_table(choices)
     assert "train.lr=0.05" in table and "(seed 7)" in table and "0.9000" in table
@@ -70,16 +74,30 @@ def test_each_strategy_is_tuned_on_validation_then_run_at_its_choice_for_every_s
 
 def test_seeds_come_from_the_option_and_validation_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--seeds"):
-        tune(["strategy=fedavg", "seed=0"], [], [0], 0, argparse.Namespace(), FakeRuns(tmp_path))
+        tune(["strategy=fedavg", "seed=0"], [], [0], 0, argparse.Namespace(), FakeRuns(tmp_path).all)
 
-    def no_validation(combo: list[str], args: argparse.Namespace, who: str) -> tuple[Path | None, bool]:
+    def no_validation(combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
         folder = tmp_path / "noval"
         folder.mkdir(exist_ok=True)
         (folder / "summary.json").write_text(json.dumps({"accuracy_mean": 0.5}))
-        return folder, False
+        return [(folder, False) for _ in combos]
 
     with pytest.raises(ConfigError, match="dataset.val_fraction > 0"):
         tune(["strategy=fedavg"], [GridAxis.parse("train.lr=0.1")], [0], 0, argparse.Namespace(), no_validation)
+
+
+def test_a_method_whose_grid_all_failed_is_skipped_and_the_others_go_on(tmp_path: Path) -> None:
+    runs = FakeRuns(tmp_path)
+
+    def fedbn_fails(combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
+        return [(None, False) if "strategy=fedbn" in c else runs(c, args, who) for c in combos]
+
+    choices, seed_runs, failures = tune(["strategy=fedbn,fedavg"], [GridAxis.parse("train.lr=0.01,0.05")], [0, 1], 7,
+                                        argparse.Namespace(), fedbn_fails)
+    assert [c["strategy"] for c in choices] == ["fedavg"]
+    assert failures == 2                                          # fedbn's two grid runs
+    assert [r.name for r in seed_runs] == ["strategy_fedavg-train.lr_0.05-seed_0", "strategy_fedavg-train.lr_0.05-seed_1"]
+    assert not any("strategy=fedbn" in c for c in runs.calls)
 
 
 @pytest.mark.e2e
