@@ -484,6 +484,34 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
     return folder, done
 
 
+# what a run leaves before its first round: nothing computed that a fresh start would lose
+NOTHING_COMPUTED = {"config.yaml", "overrides.json", "FAILED"}
+
+
+def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> list[str]:
+    """The overrides that go on with ``combo`` in a sweep or tune whose folder holds an
+    unfinished run (Ctrl-C, a killed machine, a failed round): resumed from its checkpoint
+    (``resume=<folder>``, the command a user would type; bit-identical on the CPU), or run
+    afresh when it stopped before computing anything (only its config was written). A folder
+    with results but no checkpoint is left to ``pflower run``, which refuses to overwrite it."""
+    from server.checkpoint import checkpoint_round
+    from server.results import existing_run_files
+
+    if not folder.is_dir() or any(o.partition("=")[0] in ("resume", "overwrite") for o in combo):
+        return combo
+    found = set(existing_run_files(folder))
+    if not found:
+        return combo
+    at = checkpoint_round(folder)
+    if at is not None:
+        print(f"pflower {who}: {folder} stopped after round {at}; resuming it from its checkpoint", flush=True)
+        return [f"resume={folder}"]
+    if found <= NOTHING_COMPUTED:
+        print(f"pflower {who}: {folder} stopped before its first round; running it afresh", flush=True)
+        return [*combo, "overwrite=true"]
+    return combo
+
+
 def say_reused(who: str, folder: Path) -> None:
     """A sweep or tune reuses a finished run instead of running it again."""
     print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
@@ -496,7 +524,8 @@ def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep")
     if done:
         say_reused(who, folder)
         return folder, False
-    code = cmd_run(argparse.Namespace(overrides=combo, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+    code = cmd_run(argparse.Namespace(overrides=continue_unfinished(combo, folder, who), num_cpus=args.num_cpus,
+                                      num_gpus=args.num_gpus,
                                       max_recoveries=args.max_recoveries, ray_address=args.ray_address))
     if code == EXIT_INTERRUPTED:   # Ctrl-C stops the sweep (or tune), not only its current run
         raise KeyboardInterrupt(f"{who} interrupted during {' '.join(combo)}")
@@ -545,8 +574,8 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
                 log = folder.parent / ".sweep-logs" / f"{folder.name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with log.open("w") as out:
-                    proc = subprocess.Popen(run_command(combo, args), stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                    proc = subprocess.Popen(run_command(continue_unfinished(combo, folder, who), args), stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
                 running[folder] = (proc, log, i)
                 print(f"pflower {who}: [{i}/{len(grid)}] started {' '.join(combo)} (output: {log})", flush=True)
             for folder, (proc, log, i) in list(running.items()):

@@ -199,3 +199,44 @@ def test_ctrl_c_during_a_run_stops_the_whole_sweep_and_tune(tmp_path: Path, monk
     assert cli.main(["tune", f"results_root={tmp_path / 't'}", "strategy=fedavg", "--grid", "train.lr=0.01,0.05,0.1",
                      "--seeds", "0"]) == cli.EXIT_INTERRUPTED
     assert len(started) == 2
+
+
+def test_a_sweep_run_again_goes_on_with_its_unfinished_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After Ctrl-C (or a killed machine) the same sweep reuses the finished runs, resumes the one
+    that stopped after a round from its checkpoint, and starts afresh the one that stopped before
+    computing anything; the folder of a run with results but no checkpoint is left to
+    ``pflower run`` (which refuses to overwrite it). It used to refuse every unfinished folder."""
+    import numpy as np
+
+    from server.checkpoint import save_checkpoint
+
+    grid = cli.expand_grid([f"results_root={tmp_path}", "strategy=fedavg", "seed=0,1,2,3"])
+    folders = [cli.run_folder(c)[0] for c in grid]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text("seed: 0\n")
+        (folder / "overrides.json").write_text("{}")
+    (folders[0] / "summary.json").write_text(json.dumps({"accuracy_mean": 0.9}))      # finished
+    save_checkpoint(folders[1], 3, {"global": {"w": np.zeros(2, np.float32)}}, {"strategy": "fedavg"})
+    (folders[3] / "metrics.jsonl").write_text("{}\n")                                # results, no checkpoint
+    ran: list[list[str]] = []
+
+    def fake_run(args: argparse.Namespace) -> int:
+        ran.append(list(args.overrides))
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_run", fake_run)
+    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    assert cli.main(["sweep", *grid[0][:1], "strategy=fedavg", "seed=0,1,2,3"]) == 0
+    assert ran == [[f"resume={folders[1]}"], [*grid[2], "overwrite=true"], grid[3]]
+    assert cli.continue_unfinished(grid[1], tmp_path / "never-ran") == grid[1]
+    assert cli.continue_unfinished([*grid[1], "overwrite=true"], folders[1]) == [*grid[1], "overwrite=true"]
+    started: list[list[str]] = []
+
+    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+        started.append(combo)
+        return [sys.executable, "-c", "pass"]
+
+    monkeypatch.setattr(cli, "run_command", command)
+    cli.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)                         # --jobs: the same
+    assert sorted(map(str, started)) == sorted(map(str, ran))
