@@ -484,21 +484,19 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
     return folder, done
 
 
-# what a run leaves before its first round: nothing computed that a fresh start would lose
-NOTHING_COMPUTED = {"config.yaml", "overrides.json", "FAILED"}
-
-
 def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> list[str]:
     """The overrides that go on with ``combo`` in a sweep or tune whose folder holds an
     unfinished run (Ctrl-C, a killed machine, a failed round): resumed from its checkpoint
     (``resume=<folder>``, the command a user would type; bit-identical on the CPU), or run
     afresh when it stopped before computing anything (only its config was written). A folder
     with results but no checkpoint is left to ``pflower run``, which refuses to overwrite it."""
+    from ops.recovery import _key
     from server.checkpoint import checkpoint_round
-    from server.results import existing_run_files
+    from server.results import OVERRIDES_FILE, existing_run_files
 
-    if not folder.is_dir() or any(o.partition("=")[0] in ("resume", "overwrite") for o in combo):
+    if not folder.is_dir() or any(_key(o) in ("resume", "overwrite") for o in combo):
         return combo
+    nothing_computed = {"config.yaml", OVERRIDES_FILE, "FAILED"}   # what a run writes before its first round
     found = set(existing_run_files(folder))
     if not found:
         return combo
@@ -506,7 +504,7 @@ def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> l
     if at is not None:
         print(f"pflower {who}: {folder} stopped after round {at}; resuming it from its checkpoint", flush=True)
         return [f"resume={folder}"]
-    if found <= NOTHING_COMPUTED:
+    if found <= nothing_computed:
         print(f"pflower {who}: {folder} stopped before its first round; running it afresh", flush=True)
         return [*combo, "overwrite=true"]
     return combo
