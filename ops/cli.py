@@ -719,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "jobs", 1) < 1:
+        parser.error(f"--jobs {args.jobs}: give the number of runs at once, 1 or more (1 = one after another)")
     try:
         check_flower_version()     # before anything starts: pflower adapts Flower 1.39's internals
     except FlowerVersionError as err:

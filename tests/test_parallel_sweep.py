@@ -240,3 +240,13 @@ def test_a_sweep_run_again_goes_on_with_its_unfinished_runs(tmp_path: Path, monk
     monkeypatch.setattr(cli, "run_command", command)
     cli.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)                         # --jobs: the same
     assert sorted(map(str, started)) == sorted(map(str, ran))
+
+
+@pytest.mark.parametrize("command", ["sweep", "tune"])
+def test_jobs_below_one_is_refused_before_anything_runs(command: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, f"results_root={tmp_path}", "strategy=fedavg", "--jobs", "0"])
+    assert exit_.value.code == 2
+    assert "--jobs 0: give the number of runs at once, 1 or more" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
