@@ -336,7 +336,8 @@ def image_tree_problems(root: str, domains: list[str], verify_images: bool = Fal
     base = Path(root)
     if not root or not base.is_dir():
         return [f"dataset.root {root!r} does not exist; point dataset.root at a folder laid out "
-                f"as {IMAGE_LAYOUT}"]
+                f"as {IMAGE_LAYOUT} (`python3 -m ops.styled_digits {root or 'DIR'}` writes such a tree "
+                "of real digits, the styled-digit tree of docs/results.md)"]
     present = [p.name for p in subfolders(base)]
     if not domains:
         return [f"{base} has no domain folders; expected {IMAGE_LAYOUT}"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from common.config import ConfigError, compose_config, group_options
 from ops import cli
@@ -71,6 +72,25 @@ def test_missing_dataset_root(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 2 and "needs a data folder" in err and "dataset.root" in err
     code, err = run(capsys, "dataset=cifar10", f"dataset.root={tmp_path / 'absent'}")
     assert code == 2 and "does not exist" in err and "absent" in err
+
+
+def test_the_styled_digit_experiments_name_the_command_that_makes_their_tree(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The styled-digit tables' experiments read a tree the user writes first; without it the
+    run stops before Flower starts, naming the folder and the command that writes it, and the
+    same experiment then runs on the tree that command writes."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run(capsys, "experiment=styled-digits-baselines")
+    assert code == 2
+    assert "dataset.root 'data/styled-digits' does not exist" in err
+    assert "python3 -m ops.styled_digits data/styled-digits" in err
+    cfg = compose_config({}, ["experiment=styled-digits-personalised", "strategy=ditto"])
+    assert (cfg.dataset.root, list(cfg.dataset.domains)) == ("data/styled-digits", ["ink", "neon", "noisy", "photo"])
+    assert (cfg.model.name, cfg.model.width, cfg.train.batch_size, cfg.rounds) == ("alexnet-bn", 0.125, 50, 25)
+    recompute = compose_config({}, ["experiment=styled-digits-recompute", "strategy=ditto"])
+    assert recompute.eval_bn_statistics == "recompute" and cfg.eval_bn_statistics == "stored"
+    assert OmegaConf.masked_copy(recompute, ["dataset", "model", "train", "rounds"]) == \
+        OmegaConf.masked_copy(cfg, ["dataset", "model", "train", "rounds"])
 
 
 def test_not_key_value(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,8 @@
 """Every re-measured table is reproducible from its experiment file alone.
 
 The command printed with each table in docs/ is ``pflower sweep experiment=<name>
-strategy=<list> seed=0,1,2`` and nothing else (a results folder aside), and the configuration
+strategy=<list> seed=0,1,2`` and nothing else (a results folder aside; ``seed=0`` for the two
+styled-digit tables measured at one seed, which their page says), and the configuration
 each of its runs composes is the one checked in under ``tests/tables/<experiment>.yaml``. A
 changed default therefore fails here until the expected file is rewritten on purpose
 (``python3 -m tests.test_tables --write``), which is the moment to re-measure the table.
@@ -21,9 +22,9 @@ from common.config import compose_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED = Path(__file__).resolve().parent / "tables"
-# experiment -> (the page that prints its table, the strategies of the table): the tables
-# measured at today's defaults
-TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
+# experiment -> (the page that prints its table, the strategies of the table[, its seeds]): the
+# tables measured at today's defaults; three seeds unless a third entry says otherwise
+TABLES: dict[str, tuple[str, tuple[str, ...]] | tuple[str, tuple[str, ...], str]] = {
     "fdse-digits-sources": ("docs/methods/fdse.md", ("fdse", "fedavg", "fedbn", "ditto")),
     "partialfed-digits": ("docs/methods/partialfed.md", ("partialfed-fix", "partialfed-adaptive", "fedavg",
                                                          "fedavg-ft", "fedbn", "local")),
@@ -31,7 +32,21 @@ TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fedbabu-mnist5k": ("docs/methods/fedbabu.md", ("fedbabu", "fedavg-ft")),
     "fedora-mnist5k-rotated": ("docs/methods/fedora.md", ("fedora", "local", "fedavg", "fedprox-ft", "ditto")),
     "baselines-digits-domains": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local")),
+    "baselines-digits-sources": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local")),
+    "styled-digits-baselines": ("docs/results.md", ("fedavg", "fedbn", "local")),
+    "styled-digits-personalised": ("docs/results.md", ("local", "fedbn", "fedora", "ditto", "fedbasis",
+                                                       "partialfed-adaptive"), "0"),
+    "styled-digits-recompute": ("docs/results.md", ("local", "ditto", "partialfed-adaptive", "fedora"),
+                                "0"),
 }
+THREE_SEEDS = "0,1,2"
+
+
+def page_strategies_seeds(experiment: str) -> tuple[str, tuple[str, ...], str]:
+    entry = TABLES[experiment]
+    return (entry[0], entry[1], entry[2] if len(entry) == 3 else THREE_SEEDS)   # type: ignore[misc]
+
+
 # keys that say where a run goes, not what it computes
 WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
 
@@ -44,9 +59,9 @@ def resolved(experiment: str, strategy: str) -> dict:
 
 @pytest.mark.parametrize("experiment", sorted(TABLES))
 def test_the_table_command_is_the_experiment_and_nothing_else(experiment: str) -> None:
-    page, strategies = TABLES[experiment]
+    page, strategies, seeds = page_strategies_seeds(experiment)
     text = (REPO / page).read_text()
-    command = f"pflower sweep experiment={experiment} strategy={','.join(strategies)} seed=0,1,2"
+    command = f"pflower sweep experiment={experiment} strategy={','.join(strategies)} seed={seeds}"
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(command)]
     assert lines, f"{page} does not print `{command}`"
     for line in lines:
@@ -57,7 +72,7 @@ def test_the_table_command_is_the_experiment_and_nothing_else(experiment: str) -
 
 @pytest.mark.parametrize("experiment", sorted(TABLES))
 def test_each_run_of_the_table_composes_the_checked_in_config(experiment: str) -> None:
-    _, strategies = TABLES[experiment]
+    _, strategies, _ = page_strategies_seeds(experiment)
     expected = yaml.safe_load((EXPECTED / f"{experiment}.yaml").read_text())
     assert sorted(expected) == sorted(strategies)
     for strategy in strategies:
@@ -84,7 +99,8 @@ def test_experiment_overrides_per_strategy_and_the_command_line_wins() -> None:
 
 
 def write() -> None:
-    for experiment, (_, strategies) in TABLES.items():
+    for experiment in TABLES:
+        _, strategies, _ = page_strategies_seeds(experiment)
         data = {s: resolved(experiment, s) for s in strategies}
         (EXPECTED / f"{experiment}.yaml").write_text(
             f"# the configuration of each run of the {experiment} table (tests/test_tables.py)\n"
