@@ -22,31 +22,26 @@ from common.config import compose_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED = Path(__file__).resolve().parent / "tables"
-# experiment -> (the page that prints its table, the strategies of the table[, its seeds]): the
-# tables measured at today's defaults; three seeds unless a third entry says otherwise
-TABLES: dict[str, tuple[str, tuple[str, ...]] | tuple[str, tuple[str, ...], str]] = {
-    "fdse-digits-sources": ("docs/methods/fdse.md", ("fdse", "fedavg", "fedbn", "ditto")),
+THREE_SEEDS = "0,1,2"
+# experiment -> (the page that prints its table, the strategies of the table, its seeds): the
+# tables measured at today's defaults
+TABLES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "fdse-digits-sources": ("docs/methods/fdse.md", ("fdse", "fedavg", "fedbn", "ditto"), THREE_SEEDS),
     "partialfed-digits": ("docs/methods/partialfed.md", ("partialfed-fix", "partialfed-adaptive", "fedavg",
-                                                         "fedavg-ft", "fedbn", "local")),
-    "fedbasis-digits": ("docs/methods/fedbasis.md", ("fedbasis", "fedavg")),
-    "fedbabu-mnist5k": ("docs/methods/fedbabu.md", ("fedbabu", "fedavg-ft")),
-    "fedora-mnist5k-rotated": ("docs/methods/fedora.md", ("fedora", "local", "fedavg", "fedprox-ft", "ditto")),
-    "baselines-digits-domains": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local")),
-    "baselines-digits-sources": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local")),
-    "styled-digits-baselines": ("docs/results.md", ("fedavg", "fedbn", "local")),
+                                                         "fedavg-ft", "fedbn", "local"), THREE_SEEDS),
+    "fedbasis-digits": ("docs/methods/fedbasis.md", ("fedbasis", "fedavg"), THREE_SEEDS),
+    "fedbabu-mnist5k": ("docs/methods/fedbabu.md", ("fedbabu", "fedavg-ft"), THREE_SEEDS),
+    "fedora-mnist5k-rotated": ("docs/methods/fedora.md", ("fedora", "local", "fedavg", "fedprox-ft", "ditto"),
+                               THREE_SEEDS),
+    "baselines-digits-domains": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local"),
+                                 THREE_SEEDS),
+    "baselines-digits-sources": ("docs/results.md", ("fedavg", "fedavg-ft", "fedprox", "fedbn", "ditto", "local"),
+                                 THREE_SEEDS),
+    "styled-digits-baselines": ("docs/results.md", ("fedavg", "fedbn", "local"), THREE_SEEDS),
     "styled-digits-personalised": ("docs/results.md", ("local", "fedbn", "fedora", "ditto", "fedbasis",
                                                        "partialfed-adaptive"), "0"),
-    "styled-digits-recompute": ("docs/results.md", ("local", "ditto", "partialfed-adaptive", "fedora"),
-                                "0"),
+    "styled-digits-recompute": ("docs/results.md", ("local", "ditto", "partialfed-adaptive", "fedora"), "0"),
 }
-THREE_SEEDS = "0,1,2"
-
-
-def page_strategies_seeds(experiment: str) -> tuple[str, tuple[str, ...], str]:
-    entry = TABLES[experiment]
-    return (entry[0], entry[1], entry[2] if len(entry) == 3 else THREE_SEEDS)   # type: ignore[misc]
-
-
 # keys that say where a run goes, not what it computes
 WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
 
@@ -59,7 +54,7 @@ def resolved(experiment: str, strategy: str) -> dict:
 
 @pytest.mark.parametrize("experiment", sorted(TABLES))
 def test_the_table_command_is_the_experiment_and_nothing_else(experiment: str) -> None:
-    page, strategies, seeds = page_strategies_seeds(experiment)
+    page, strategies, seeds = TABLES[experiment]
     text = (REPO / page).read_text()
     command = f"pflower sweep experiment={experiment} strategy={','.join(strategies)} seed={seeds}"
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(command)]
@@ -72,7 +67,7 @@ def test_the_table_command_is_the_experiment_and_nothing_else(experiment: str) -
 
 @pytest.mark.parametrize("experiment", sorted(TABLES))
 def test_each_run_of_the_table_composes_the_checked_in_config(experiment: str) -> None:
-    _, strategies, _ = page_strategies_seeds(experiment)
+    _, strategies, _ = TABLES[experiment]
     expected = yaml.safe_load((EXPECTED / f"{experiment}.yaml").read_text())
     assert sorted(expected) == sorted(strategies)
     for strategy in strategies:
@@ -100,7 +95,7 @@ def test_experiment_overrides_per_strategy_and_the_command_line_wins() -> None:
 
 def write() -> None:
     for experiment in TABLES:
-        _, strategies, _ = page_strategies_seeds(experiment)
+        _, strategies, _ = TABLES[experiment]
         data = {s: resolved(experiment, s) for s in strategies}
         (EXPECTED / f"{experiment}.yaml").write_text(
             f"# the configuration of each run of the {experiment} table (tests/test_tables.py)\n"
