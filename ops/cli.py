@@ -63,10 +63,23 @@ def gpu_share(num_clients: int, gpus: int, cpus: int, cpus_per_client: float) ->
     return 1.0 / per_gpu
 
 
-def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str) -> None:
-    """A client that asks for more than this machine has never starts: Flower's Ray engine
-    builds an empty actor pool and the run dies after its start-up ("ActorPool is empty").
-    Refused before anything starts, for the private Ray instance (a cluster may have more)."""
+def cpus_per_run(jobs: int) -> int:
+    """The CPUs each of ``jobs`` runs at once may use: an equal share of this machine's.
+
+    Every run starts its own private Ray instance, and each would otherwise take the whole
+    machine: ``jobs`` instances start ``jobs`` times as many clients as there are cores, each
+    with as many threads as its ``--num-cpus`` (Ray sets ``OMP_NUM_THREADS``), and the cores
+    spend the round switching threads. On a 16-core box, 6 runs of the FEDORA table with
+    ``--num-cpus 4`` took 36-59 s a round each; given 2 CPUs each, 1.2-1.7 s (docs/benchmarks.md)."""
+    return max(1, (os.cpu_count() or 1) // max(jobs, 1))
+
+
+def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
+                           ray_cpus: int | None = None) -> None:
+    """A client that asks for more than this machine (or this run's ``--cpus`` share of it)
+    has never starts: Flower's Ray engine builds an empty actor pool and the run dies after its
+    start-up ("ActorPool is empty"). Refused before anything starts, for the private Ray
+    instance (a cluster may have more)."""
     if ray_address != "local":
         return
     import torch
@@ -76,6 +89,12 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str) -
     if num_cpus <= 0:
         raise ConfigError(f"--num-cpus {_num(num_cpus)}: each simulated client needs a positive CPU share "
                           "(e.g. --num-cpus 1)")
+    if ray_cpus is not None and ray_cpus < 1:
+        raise ConfigError(f"--cpus {ray_cpus}: a run needs at least one CPU (leave it out for all of them)")
+    if ray_cpus is not None and num_cpus > ray_cpus:
+        raise ConfigError(f"--num-cpus {_num(num_cpus)} per client, but this run may use {ray_cpus} CPUs "
+                          f"(--cpus {ray_cpus}): no simulated client could start; use --num-cpus {ray_cpus} "
+                          "or less, or a larger --cpus")
     if num_cpus > cpus:
         raise ConfigError(f"--num-cpus {_num(num_cpus)} per client, but this machine has {cpus} CPUs: no "
                           f"simulated client could start; use --num-cpus {cpus} or less (clients run "
@@ -87,7 +106,7 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str) -
 
 
 def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None,
-                      cpus_per_client: float) -> float:
+                      cpus_per_client: float, ray_cpus: int | None = None) -> float:
     """The ``client-resources-num-gpus`` of a simulation. Ray hides the GPU from actors that
     reserve none, so on a CUDA machine clients get a share unless told ``--num-gpus 0``;
     ``device=cuda`` without CUDA, or with ``--num-gpus 0``, is refused before anything starts."""
@@ -98,7 +117,8 @@ def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None
     if device.startswith("cuda") and gpus == 0:
         raise ConfigError(f"device={device} but this machine has no CUDA GPU (torch "
                           f"{torch.__version__}); use device=auto (CUDA when present) or device=cpu")
-    share = gpu_share(num_clients, gpus, os.cpu_count() or 1, cpus_per_client) if requested is None \
+    cpus = ray_cpus or os.cpu_count() or 1
+    share = gpu_share(num_clients, gpus, cpus, cpus_per_client) if requested is None \
         else float(requested)
     if device.startswith("cuda") and share <= 0:
         raise ConfigError(f"device={device} with --num-gpus 0: Ray hides the GPU from clients that "
@@ -241,6 +261,15 @@ def use_ray_cluster(address: str | None) -> str:
     return chosen
 
 
+def simulation_config(num_clients: int, num_cpus: float, num_gpus: float, ray_cpus: int | None) -> str:
+    """Flower's ``--federation-config`` of a simulation: one SuperNode per client, each
+    client's Ray resources, and (``ray_cpus``) the CPUs the run's private Ray instance
+    may use, all of the machine's when None."""
+    config = (f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)} "
+              f"client-resources-num-gpus={_num(num_gpus)}")
+    return config + (f" init-args-num-cpus={ray_cpus}" if ray_cpus is not None else "")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ops.deployment.launch import LaunchError
     from server.checkpoint import checkpoint_round
@@ -248,17 +277,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         cfg, run_cfg, rest, n = preflight(args)
-        num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus))
+        ray_cpus = getattr(args, "cpus", None)
+        num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus), ray_cpus)
         ray_address = use_ray_cluster(getattr(args, "ray_address", None))
-        check_client_resources(float(args.num_cpus), num_gpus, ray_address)
+        check_client_resources(float(args.num_cpus), num_gpus, ray_address, ray_cpus)
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.results_root) / cfg.run_name
     summary = run_dir / "summary.json"
     started = time.time()
-    federation = (f"num-supernodes={n} client-resources-num-cpus={_num(args.num_cpus)} "
-                  f"client-resources-num-gpus={_num(num_gpus)}")
+    federation = simulation_config(n, float(args.num_cpus), num_gpus,
+                                   ray_cpus if ray_address == "local" else None)
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {cfg.rounds} rounds -> {run_dir}"
           + (f" ({_num(num_gpus)} GPU per client)" if num_gpus else "")
           + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
@@ -540,6 +570,8 @@ def run_command(combo: list[str], args: argparse.Namespace) -> list[str]:
         cmd += ["--num-gpus", _num(args.num_gpus)]
     if args.ray_address:
         cmd += ["--ray-address", str(args.ray_address)]
+    if getattr(args, "cpus", None) is not None:
+        cmd += ["--cpus", str(args.cpus)]
     return cmd
 
 
@@ -555,6 +587,10 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
 
     from ops.deployment.launch import kill_tree
 
+    if not (args.ray_address or os.environ.get("RAY_ADDRESS")):   # each private Ray gets its share
+        args = argparse.Namespace(**{**vars(args), "cpus": cpus_per_run(jobs)})
+        print(f"pflower {who}: {jobs} runs at once, each on {args.cpus} of this machine's {os.cpu_count()} "
+              f"CPUs ({_num(args.num_cpus)} per client)", flush=True)
     folders = [run_folder(combo) for combo in grid]
     results: dict[Path, tuple[Path | None, bool]] = {}
     waiting: list[tuple[int, list[str], Path]] = []
@@ -627,9 +663,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another); a run of a "
-             "small model uses about two cores, so e.g. --jobs 6 --num-cpus 4 on 16 cores; each run's output "
-             "goes to <results_root>/.sweep-logs/")
+JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another) on an equal "
+             "share of this machine's CPUs (cores / N; --num-cpus of them per client); a run of a small model "
+             "uses about two cores, so e.g. --jobs 8 on 16 cores; each run's output goes to "
+             "<results_root>/.sweep-logs/")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -687,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="times a run whose processes died is resumed from its checkpoint by itself "
                         f"(default {DEFAULT_MAX_RECOVERIES}; 0 = never)")
     p.add_argument("--ray-address", default=None, help=RAY_ADDRESS_HELP)
+    p.add_argument("--cpus", type=int, default=None,
+                   help="CPUs this run's private Ray instance may use (default: all of this machine's; "
+                        "`pflower sweep --jobs N` gives each run cores / N)")
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("compare", help="compare run folders in one table and plot")
     c.add_argument("runs", nargs="+")
@@ -721,6 +761,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if getattr(args, "jobs", 1) < 1:
         parser.error(f"--jobs {args.jobs}: give the number of runs at once, 1 or more (1 = one after another)")
+    jobs, num_cpus = getattr(args, "jobs", 1), getattr(args, "num_cpus", 1.0)
+    on_cluster = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+    if jobs > 1 and not on_cluster and num_cpus > cpus_per_run(jobs):
+        parser.error(f"--jobs {jobs} gives each run {cpus_per_run(jobs)} of this machine's {os.cpu_count()} "
+                     f"CPUs, but --num-cpus {_num(num_cpus)} asks for more per client: no client could start; "
+                     f"use --num-cpus {cpus_per_run(jobs)} or less, or fewer --jobs")
     try:
         check_flower_version()     # before anything starts: pflower adapts Flower 1.39's internals
     except FlowerVersionError as err:

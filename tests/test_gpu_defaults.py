@@ -69,6 +69,13 @@ def test_client_resources_beyond_the_machine_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError, match="positive CPU share"):
         check_client_resources(0.0, 0.0, "local")
     check_client_resources(64.0, 4.0, "10.0.0.1:6379")  # a Ray cluster may have more: its own check
+    # a run given a share of the machine (``--cpus``, as a parallel sweep does) is checked against it
+    check_client_resources(2.0, 0.0, "local", ray_cpus=2)
+    with pytest.raises(ConfigError, match=r"--num-cpus 4 per client, but this run may use 2 CPUs \(--cpus 2\).*"
+                                          r"--num-cpus 2 or less"):
+        check_client_resources(4.0, 0.0, "local", ray_cpus=2)
+    with pytest.raises(ConfigError, match=r"--cpus 0: a run needs at least one CPU"):
+        check_client_resources(1.0, 0.0, "local", ray_cpus=0)
 
 
 def test_pflower_run_with_more_cpus_per_client_than_the_machine_stops_before_starting(tmp_path):

@@ -128,6 +128,70 @@ def test_the_command_of_each_run_carries_the_sweeps_options() -> None:
                        "--max-recoveries", "2", "--num-gpus", "0.25", "--ray-address", "10.0.0.1:6379"]
 
 
+def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ``pflower run`` starts its own Ray instance, which takes the whole machine unless
+    told otherwise: 6 runs on 16 cores must each get 2 CPUs (``--cpus 2``), not 16 each. A run
+    on a Ray cluster (``--ray-address``) is the cluster's to place, and gets no share."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    seen: list[list[str]] = []
+    real_command = cli.run_command
+
+    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+        seen.append(real_command(combo, args))
+        return [sys.executable, "-c", "pass"]
+
+    monkeypatch.setattr(cli, "run_command", command)
+    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2,3,4,5"])
+    cli.run_in_parallel(grid, _args(), jobs=6, poll_s=0.01)
+    assert len(seen) == 6
+    assert all(cmd[cmd.index("--cpus") + 1] == "2" for cmd in seen), seen
+    seen.clear()
+    cli.run_in_parallel(grid, _args(), jobs=3, poll_s=0.01)
+    assert all(cmd[cmd.index("--cpus") + 1] == "5" for cmd in seen), seen     # 16 // 3
+    seen.clear()
+    cluster = argparse.Namespace(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address="10.0.0.1:6379")
+    cli.run_in_parallel(grid, cluster, jobs=6, poll_s=0.01)
+    assert seen and all("--cpus" not in cmd for cmd in seen)
+
+
+def test_a_parallel_sweep_whose_clients_cannot_fit_in_a_runs_share_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--jobs 6 --num-cpus 4`` on 16 cores: a run's share is 2 CPUs, a client asks for 4, so no
+    client could start. Refused before anything starts, naming both ways out."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for command in ("sweep", "tune"):
+        with pytest.raises(SystemExit) as stop:
+            cli.main([command, f"results_root={tmp_path}", "strategy=fedavg", "seed=0,1",
+                      "--jobs", "6", "--num-cpus", "4"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "--jobs 6 gives each run 2 of this machine's 16 CPUs" in err, err
+        assert "--num-cpus 2 or less, or fewer --jobs" in err, err
+    assert not any(tmp_path.iterdir())   # nothing started
+
+
+def test_a_runs_cpu_share_reaches_flowers_ray_instance() -> None:
+    """``--cpus N`` becomes Flower's ``init-args-num-cpus`` (Ray's ``num_cpus``), as Flower itself
+    parses a ``--federation-config``; without it the run's Ray takes the whole machine."""
+    from flwr.common.config import parse_config_args
+    from flwr.supercore.utils import simulation_config_from_json
+
+    def parsed(text: str) -> object:
+        values = parse_config_args([text])
+        return simulation_config_from_json({k.replace("-", "_"): v for k, v in values.items()})
+
+    shared = parsed(cli.simulation_config(18, 1.0, 0.0, 2))
+    assert (shared.num_supernodes, shared.client_resources_num_cpus, shared.init_args_num_cpus) == (18, 1, 2)
+    whole = parsed(cli.simulation_config(18, 1.0, 0.25, None))
+    assert not whole.HasField("init_args_num_cpus") and whole.client_resources_num_gpus == 0.25
+
+
 @pytest.mark.e2e
 def test_pflower_sweep_with_two_jobs_runs_two_simulations_side_by_side(tmp_path: Path) -> None:
     out = pflower("sweep", "strategy=fedavg", "seed=0,1", "rounds=1", f"results_root={tmp_path}",
