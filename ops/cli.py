@@ -79,7 +79,13 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
     """A client that asks for more than this machine (or this run's ``--cpus`` share of it)
     has never starts: Flower's Ray engine builds an empty actor pool and the run dies after its
     start-up ("ActorPool is empty"). Refused before anything starts, for the private Ray
-    instance (a cluster may have more)."""
+    instance (a cluster may have more). Flower 1.39 takes a whole number of CPUs per client
+    (its ``client-resources-num-cpus`` is an integer): a fraction failed only after the
+    SuperLink had started ("'float' object cannot be interpreted as an integer")."""
+    if num_cpus > 0 and not float(num_cpus).is_integer():
+        raise ConfigError(f"--num-cpus {_num(num_cpus)}: Flower takes a whole number of CPUs per simulated "
+                          f"client; use --num-cpus {max(1, round(num_cpus))} (to run more clients at once, "
+                          "give the run more CPUs rather than each client less)")
     if ray_address != "local":
         return
     import torch
@@ -714,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run one simulation", epilog=overrides_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client (a whole number)")
     p.add_argument("--num-gpus", type=float, default=None,
                    help="GPUs per simulated client (e.g. 0.25; default: an even share of the "
                         "machine's GPUs when CUDA is present, 0 without)")

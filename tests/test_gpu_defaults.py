@@ -76,6 +76,10 @@ def test_client_resources_beyond_the_machine_are_refused_by_name(monkeypatch):
         check_client_resources(4.0, 0.0, "local", ray_cpus=2)
     with pytest.raises(ConfigError, match=r"--cpus 0: a run needs at least one CPU"):
         check_client_resources(1.0, 0.0, "local", ray_cpus=0)
+    # Flower's client-resources-num-cpus is an integer: a fraction failed after the SuperLink started
+    for address in ("local", "10.0.0.1:6379"):
+        with pytest.raises(ConfigError, match=r"--num-cpus 0.5: Flower takes a whole number of CPUs.*--num-cpus 1"):
+            check_client_resources(0.5, 0.0, address)
 
 
 def test_pflower_run_with_more_cpus_per_client_than_the_machine_stops_before_starting(tmp_path):
@@ -86,3 +90,7 @@ def test_pflower_run_with_more_cpus_per_client_than_the_machine_stops_before_sta
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"--num-cpus {too_many} per client" in out.stderr
     assert not any(tmp_path.iterdir())   # nothing started, no run folder
+    out = pflower("run", "rounds=1", f"results_root={tmp_path}", "--num-cpus", "0.5", timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--num-cpus 0.5: Flower takes a whole number of CPUs" in out.stderr
+    assert not any(tmp_path.iterdir())
