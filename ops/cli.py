@@ -258,11 +258,19 @@ RAY_ADDRESS_HELP = ("run the simulation's clients on an existing Ray cluster (ho
                     "variable, else a private Ray instance on this machine (never a cluster found by chance)")
 
 
+def ray_cluster(address: str | None) -> str | None:
+    """The Ray cluster a run joins: ``address``, else ``RAY_ADDRESS``; None for a private
+    instance on this machine (neither set, or ``local``, which :func:`use_ray_cluster` itself
+    writes into this process's environment)."""
+    chosen = address or os.environ.get("RAY_ADDRESS")
+    return chosen if chosen and chosen != "local" else None
+
+
 def use_ray_cluster(address: str | None) -> str:
     """Where the simulation's Ray runs: ``address`` (or ``RAY_ADDRESS``), else ``local``, a
     private instance. Ray's own default would join any cluster ``ray start`` left running on
     this machine; the simulation process (started by the SuperLink) inherits the variable."""
-    chosen = address or os.environ.get("RAY_ADDRESS") or "local"
+    chosen = ray_cluster(address) or "local"
     os.environ["RAY_ADDRESS"] = chosen
     return chosen
 
@@ -593,7 +601,7 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
 
     from ops.deployment.launch import kill_tree
 
-    if not (args.ray_address or os.environ.get("RAY_ADDRESS")):   # each private Ray gets its share
+    if ray_cluster(args.ray_address) is None:   # each private Ray gets its share
         args = argparse.Namespace(**{**vars(args), "cpus": cpus_per_run(jobs)})
         print(f"pflower {who}: {jobs} runs at once, each on {args.cpus} of this machine's {os.cpu_count()} "
               f"CPUs ({_num(args.num_cpus)} per client)", flush=True)
@@ -768,8 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "jobs", 1) < 1:
         parser.error(f"--jobs {args.jobs}: give the number of runs at once, 1 or more (1 = one after another)")
     jobs, num_cpus = getattr(args, "jobs", 1), getattr(args, "num_cpus", 1.0)
-    on_cluster = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS")
-    if jobs > 1 and not on_cluster and num_cpus > cpus_per_run(jobs):
+    if jobs > 1 and ray_cluster(getattr(args, "ray_address", None)) is None and num_cpus > cpus_per_run(jobs):
         parser.error(f"--jobs {jobs} gives each run {cpus_per_run(jobs)} of this machine's {os.cpu_count()} "
                      f"CPUs, but --num-cpus {_num(num_cpus)} asks for more per client: no client could start; "
                      f"use --num-cpus {cpus_per_run(jobs)} or less, or fewer --jobs")

@@ -128,14 +128,25 @@ def test_the_command_of_each_run_carries_the_sweeps_options() -> None:
                        "--max-recoveries", "2", "--num-gpus", "0.25", "--ray-address", "10.0.0.1:6379"]
 
 
+def set_ray_address(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", value)
+
+
+# "local" is what an earlier `pflower run` in the same process leaves in RAY_ADDRESS
+# (use_ray_cluster): a private instance, not a cluster
+@pytest.mark.parametrize("ray_env", [None, "local"])
 def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ray_env: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each ``pflower run`` starts its own Ray instance, which takes the whole machine unless
     told otherwise: 6 runs on 16 cores must each get 2 CPUs (``--cpus 2``), not 16 each. A run
     on a Ray cluster (``--ray-address``) is the cluster's to place, and gets no share."""
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    set_ray_address(monkeypatch, ray_env)
     seen: list[list[str]] = []
     real_command = cli.run_command
 
@@ -157,14 +168,16 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     assert seen and all("--cpus" not in cmd for cmd in seen)
 
 
+@pytest.mark.parametrize("ray_env", [None, "local"])
 def test_a_parallel_sweep_whose_clients_cannot_fit_in_a_runs_share_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        ray_env: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """``--jobs 6 --num-cpus 4`` on 16 cores: a run's share is 2 CPUs, a client asks for 4, so no
     client could start. Refused before anything starts, naming both ways out."""
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    set_ray_address(monkeypatch, ray_env)
     for command in ("sweep", "tune"):
         with pytest.raises(SystemExit) as stop:
             cli.main([command, f"results_root={tmp_path}", "strategy=fedavg", "seed=0,1",
