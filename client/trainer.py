@@ -33,6 +33,7 @@ from learning.training import (
     LossTerms,
     OptimConfig,
     evaluate,
+    has_bn_running_stats,
     make_optimizer,
     recompute_bn_statistics,
     train_epochs,
@@ -239,22 +240,55 @@ class ClientTrainer:
                 out.update(_prefixed_eval(base, rnd, ""))
                 out[FINETUNED] = 0.0
         else:
-            out.update(_prefixed_eval(self.evaluated_model(rnd, payload, state), rnd, ""))
+            out.update(self.evaluate_personal(rnd, payload, state))
         return out
 
-    def evaluated_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
-        """The personal model as evaluated: with ``eval_bn_statistics=recompute`` (ours), a copy
-        whose BN running statistics are recomputed on this client's train split
-        (:func:`learning.training.recompute_bn_statistics`); a model made of combined
-        parts (FedBasis' bases) is evaluated as the plain network it combines to. The state
-        is never changed by an evaluation."""
+    def personal_is_global(self, model: nn.Module) -> bool:
+        """Whether the personalised model is the server's model as sent (FedAvg, FedProx: the
+        method keeps no key of its own and forms no model of its own). Such a model is the
+        global baseline and is tested with the statistics the server holds."""
+        return (type(self).personal_model is ClientTrainer.personal_model
+                and not keys_with(self.roles(model), LOCAL, PERSONAL))
+
+    def bn_protocols(self, model: nn.Module) -> tuple[str, ...]:
+        """Which BN statistics ``model`` is tested with, the headline's first: ``own``
+        (recomputed on this client's train split) and/or ``stored`` (as training, aggregation
+        or propagation left them); none for a model without BN running statistics or the
+        server's own model. ``eval_bn_statistics`` picks the headline, ``eval_bn_compare``
+        adds the other."""
+        if self.personal_is_global(model) or not has_bn_running_stats(model):
+            return ()
+        chosen = "own" if str(self.cfg.eval_bn_statistics) == "recompute" else "stored"
+        other = "stored" if chosen == "own" else "own"
+        return (chosen, other) if bool(self.cfg.eval_bn_compare) else (chosen,)
+
+    def evaluate_personal(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
+        """The personalised model's accuracy under its BN protocol (``accuracy``,
+        ``val_accuracy``) and, for a model with BN, under each protocol measured
+        (``own_bn_*``, ``stored_bn_*``), from the same weights: a gap between the two is the
+        statistics' share of the client's accuracy. The state is never changed."""
         model = self.personal_model(rnd, payload, state)
-        if str(self.cfg.eval_bn_statistics) != "recompute":
-            return model
+        protocols = self.bn_protocols(model)
+        if not protocols:
+            return _prefixed_eval(model, rnd, "")
+        out: dict[str, float] = {}
+        for protocol in protocols:
+            tested = self.with_own_bn_statistics(model, rnd) if protocol == "own" else model
+            result = _prefixed_eval(tested, rnd, "")
+            if not out:
+                out.update(result)
+            out[f"{protocol}_bn_accuracy"] = result["accuracy"]
+            out[f"{protocol}_bn_val_accuracy"] = result["val_accuracy"]
+        return out
+
+    def with_own_bn_statistics(self, model: nn.Module, rnd: ClientRound) -> nn.Module:
+        """A copy of ``model`` whose BN running statistics are recomputed on this client's
+        train split, weights untouched (:func:`learning.training.recompute_bn_statistics`); a
+        model made of combined parts (FedBasis' bases) becomes the plain network it combines
+        to first, so its statistics are the combined network's own."""
         combined = getattr(model, "combined_model", None)
         plain = combined() if callable(combined) else copy.deepcopy(model)
         return recompute_bn_statistics(plain, rnd.data.train, int(self.cfg.train.batch_size), rnd.device)
-
 
     # ---------------------------------------------------------------- new clients
     def new_client_modes(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ class RunKeys:
     eval_every: int
     eval_in_train: bool
     eval_bn_statistics: str
+    eval_bn_compare: bool
     best_round_by: str
     fraction_train: float
     min_train_clients: int

@@ -299,6 +299,13 @@ def evaluate(model: nn.Module, ds: Dataset, device: torch.device, batch_size: in
     return {"loss": float(loss_sum) / max(total, 1), "accuracy": accuracy, "num": float(total)}
 
 
+def has_bn_running_stats(model: nn.Module) -> bool:
+    """Whether any BN layer of ``model`` tests with running statistics (a model without
+    them, e.g. an MLP or BN with ``track_running_stats=False``, has one protocol only)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+               for m in model.modules())
+
+
 def recompute_bn_statistics(model: nn.Module, train: Dataset, batch_size: int,
                             device: torch.device) -> nn.Module:
     """Replace every BN layer's running statistics by their average over one pass of ``train``

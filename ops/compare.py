@@ -30,6 +30,19 @@ COLUMNS = (
 )
 
 
+# each BN protocol a run measured (summary.json's bn_protocols): own = recomputed on the
+# client's train split, stored = as training/aggregation left them
+BN_PROTOCOLS = ("own", "stored")
+BN_COLUMNS = (("accuracy_mean", "acc mean"), ("accuracy_min", "acc min"))
+
+
+def machines(runs: list[dict[str, Any]]) -> str:
+    """The machines the runs' numbers came from (GPU, else CPU model; torch version)."""
+    names = {f"{m.get('gpu') or m.get('cpu', '?')}, torch {m.get('torch', '?')}"
+             for r in runs if (m := r.get("machine"))}
+    return "; ".join(sorted(names)) or "-"
+
+
 def load_summary(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "summary.json"
     if not path.exists():
@@ -108,6 +121,10 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     show_rel = bool(local_runs)
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
     show_best_rel = show_rel and all(client_accuracies(r, "best") for r in runs)
+    show_bn = any("bn_protocols" in r for r in runs)
+    header += ["acc mean by seed", "machine"]
+    if show_bn:
+        header += ["BN stats", *[f"{label} ({p} BN)" for p in BN_PROTOCOLS for _, label in BN_COLUMNS]]
     if show_rel:
         header += ["R-Acc", "PTR"]
     if show_best_rel:
@@ -119,6 +136,13 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
         cells = [strategy, dataset, model, ",".join(str(r["seed"]) for r in members)]
         for key, _ in COLUMNS:
             cells.append(_fmt([r[key] for r in members if key in r]))
+        cells += [", ".join(f"{r['accuracy_mean']:.4f}" for r in members), machines(members)]
+        if show_bn:
+            cells.append(", ".join(sorted({str(r.get("bn_statistics", "-")).split(" (")[0] for r in members})))
+            for protocol in BN_PROTOCOLS:
+                for key, _ in BN_COLUMNS:
+                    cells.append(_fmt([r["bn_protocols"][protocol][key] for r in members
+                                       if protocol in r.get("bn_protocols", {})]))
         if show_rel:
             rel = [relative_to_local(r, local) for r in members
                    if (local := matching_local(r, local_runs)) is not None]

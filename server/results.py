@@ -198,6 +198,7 @@ class RunRecorder:
                status: str = "completed") -> dict[str, Any]:
         summary = build_summary(self.cfg, self.rounds, client_info, status)
         summary.update(dict(extra or {}))
+        summary["machine"] = machine_description(str(self.cfg.device))
         recoveries = read_recoveries(self.dir)
         summary["recoveries"] = len(recoveries)
         if recoveries:
@@ -213,6 +214,29 @@ class RunRecorder:
             summary["plot_error"] = str(err)
             atomic_write_text(self.dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         return summary
+
+
+def machine_description(device: str) -> dict[str, Any]:
+    """The machine the run's numbers came from (the server's: in a simulation also the
+    clients'): the same seed on another CPU, GPU or torch version may differ in the last
+    digits, so a table's per-seed values name it."""
+    import platform
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "gpu": gpu, "cpu": _cpu_model() or platform.machine(),
+            "cpu_count": os.cpu_count()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 # keys whose overrides are not saved: the folder itself says where the run is
@@ -314,6 +338,7 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
             entry["domain"] = client_info[cid]["domain"]
         summary["clients"][cid] = entry
     summary.update(pooled_accuracy(per_client))
+    summary.update(bn_protocol_summary(cfg, evals))
     summary.update(client_coverage(rounds, last, client_info))
     if summary["clients_missing"]:
         summary["status"] = f"{status}-partial" if status != "completed" else "partial"
@@ -337,6 +362,37 @@ def pooled_accuracy(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, 
     if total <= 0:
         return {}
     return {"accuracy_all": sum(float(m["accuracy"]) * sizes[c] for c, m in per_client.items()) / total}
+
+
+BN_AS_HELD = "as held (no personal BN model: the server's model, a fine-tuned model, or no BN running statistics)"
+
+
+def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which BN statistics the headline accuracy was tested with (``bn_statistics``: ``own``,
+    recomputed on each client's train split, or ``stored``), and every protocol the run
+    measured (``bn_protocols``): accuracy at the last round and at the best round, each
+    protocol's best round chosen by its own validation accuracy, as the headline's is."""
+    measured = [p for p in ("own", "stored") if f"{p}_bn_accuracy_mean" in evals[-1]["evaluate"]]
+    if not measured:
+        return {"bn_statistics": BN_AS_HELD}
+    by = best_round_metric(cfg)
+    protocols: dict[str, dict[str, Any]] = {}
+    for protocol in measured:
+        key = f"{protocol}_bn_"
+        rounds = [r for r in evals if f"{key}accuracy_mean" in r["evaluate"]]
+        best = max(rounds, key=lambda r: r["evaluate"].get(key + by, -1.0))
+        last = rounds[-1]
+        protocols[protocol] = {
+            "accuracy_mean": last["evaluate"][f"{key}accuracy_mean"],
+            "accuracy_min": last["evaluate"][f"{key}accuracy_min"],
+            "best_round": best["round"],
+            "best_accuracy_mean": best["evaluate"][f"{key}accuracy_mean"],
+            "best_accuracy_min": best["evaluate"][f"{key}accuracy_min"],
+            "clients": {cid: m[f"{key}accuracy"] for cid, m in last.get("clients", {}).items()
+                        if f"{key}accuracy" in m},
+        }
+    return {"bn_statistics": "own" if str(cfg.eval_bn_statistics) == "recompute" else "stored",
+            "bn_protocols": protocols}
 
 
 def best_round_metric(cfg: DictConfig) -> str:
@@ -405,7 +461,8 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy over clients")
-    ax.set_title(f"{summary['strategy']} on {summary['dataset']} (seed {summary['seed']})")
+    ax.set_title(f"{summary['strategy']} on {summary['dataset']} (seed {summary['seed']})\n"
+                 f"BN statistics: {summary.get('bn_statistics', BN_AS_HELD).split(' (')[0]}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -429,7 +486,8 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     ax.set_xlabel("client (domain)")
     ax.set_ylabel("final personalised test accuracy")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{summary['strategy']}: mean {summary['accuracy_mean']:.3f}, min {summary['accuracy_min']:.3f}")
+    ax.set_title(f"{summary['strategy']}: mean {summary['accuracy_mean']:.3f}, min {summary['accuracy_min']:.3f} "
+                 f"(BN statistics: {summary.get('bn_statistics', BN_AS_HELD).split(' (')[0]})", fontsize=9)
     fig.tight_layout()
     fig.savefig(run_dir / "clients.png", dpi=100)
     plt.close(fig)

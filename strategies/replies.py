@@ -298,7 +298,8 @@ def summarise_clients(per_client: Mapping[str, Mapping[str, float]]) -> dict[str
     """Mean, min and std over clients of every metric all clients reported, and the
     sample-weighted validation accuracy ``val_accuracy_weighted`` = sum_k a_k n_k / sum_k n_k
     (n_k = client k's validation size), the quantity flgo-based code (FDSE's) selects the
-    best round on."""
+    best round on, and the same ``<key>_weighted`` of every other validation accuracy (a
+    reference model's, each BN protocol's)."""
     keys = set.intersection(*(set(m) for m in per_client.values()))
     out: dict[str, float] = {"clients": float(len(per_client))}
     for k in sorted(keys):
@@ -306,9 +307,9 @@ def summarise_clients(per_client: Mapping[str, Mapping[str, float]]) -> dict[str
             continue
         vals = np.array([m[k] for m in per_client.values()], dtype=np.float64)
         out[f"{k}_mean"], out[f"{k}_min"], out[f"{k}_std"] = float(vals.mean()), float(vals.min()), float(vals.std())
-    if {"val_accuracy", NUM_VAL_EXAMPLES} <= keys:
+    if NUM_VAL_EXAMPLES in keys:
         sizes = np.array([m[NUM_VAL_EXAMPLES] for m in per_client.values()], dtype=np.float64)
-        accs = np.array([m["val_accuracy"] for m in per_client.values()], dtype=np.float64)
-        if sizes.sum() > 0:
-            out["val_accuracy_weighted"] = float((accs * sizes).sum() / sizes.sum())
+        for key in sorted(k for k in keys if k.endswith("val_accuracy") and sizes.sum() > 0):
+            accs = np.array([m[key] for m in per_client.values()], dtype=np.float64)
+            out[f"{key}_weighted"] = float((accs * sizes).sum() / sizes.sum())
     return out

@@ -1,7 +1,8 @@
-"""``eval_bn_statistics=recompute``: the evaluated personal model's BN running statistics
-recomputed on the client's own train split (precise BN), against a slow per-batch computation;
-the default keeps the stored statistics; an evaluation never changes the client's state; a
-FedBasis client is evaluated as the plain network its bases combine to."""
+"""Which BN statistics a personal model is tested with: by default its own, recomputed on the
+client's train split (precise BN, against a slow per-batch computation), with the stored ones
+measured beside; the server's model of FedAvg as the server holds it; an evaluation never
+changes the client's state; a FedBasis client is evaluated as the plain network its bases
+combine to; each protocol's numbers and best round in the summary."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from client.baselines import DittoTrainer
+from client.baselines import DittoTrainer, LocalTrainer
 from client.fedbasis import FedBasisTrainer
-from client.trainer import ClientRound
+from client.fedora import FEDORATrainer
+from client.trainer import ClientRound, ClientTrainer
 from common.config import ConfigError, compose_config
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
 from learning.training import evaluate, recompute_bn_statistics
+from server.results import build_summary
 
 CPU = torch.device("cpu")
 
@@ -93,7 +96,7 @@ def test_a_ditto_client_evaluates_its_personal_model_with_the_chosen_statistics(
         return
     # recompute: the first BN layer holds the per-batch average of the first conv's outputs on
     # this client's train split, and the accuracy is that model's
-    evaluated = trainer.evaluated_model(rnd, payload, bad)
+    evaluated = trainer.with_own_bn_statistics(trainer.personal_model(rnd, payload, bad), rnd)
     x = torch.stack([rnd.data.train[i][0] for i in range(len(rnd.data.train))])
     with torch.no_grad():
         conv = personal.features[0](x).numpy()
@@ -114,7 +117,7 @@ def test_a_fedbasis_client_is_evaluated_as_its_combined_network() -> None:
     torch.manual_seed(0)
     payload = {k: v for k, v in get_arrays(trainer.new_model(rnd)).items() if k != "coeff_logits"}
     state = trainer.fit(rnd, payload, {}).state
-    evaluated = trainer.evaluated_model(rnd, payload, state)
+    evaluated = trainer.with_own_bn_statistics(trainer.personal_model(rnd, payload, state), rnd)
     assert type(evaluated).__name__ == type(trainer.new_model(rnd).template).__name__   # the plain network
     x = torch.stack([rnd.data.train[i][0] for i in range(len(rnd.data.train))])
     with torch.no_grad():
@@ -126,3 +129,92 @@ def test_a_fedbasis_client_is_evaluated_as_its_combined_network() -> None:
 def test_an_unknown_mode_is_named() -> None:
     with pytest.raises(ConfigError, match="eval_bn_statistics"):
         compose_config({}, ["eval_bn_statistics=fresh"])
+
+
+def test_by_default_a_fedora_client_holding_another_clients_statistics_is_tested_with_its_own() -> None:
+    """FEDORA's theta_k here carries BN running statistics of another client's data (as
+    propagation can leave them): the default tests it with statistics recomputed on its own
+    train split, and reports the stored ones beside (``stored_bn_*``)."""
+    cfg = compose_config({"strategy": "fedora"}, [])
+    rnd, other = _round(cfg, "0"), _round(cfg, "5")       # client 5: another domain of digits-domains
+    assert rnd.data.domain != other.data.domain
+    torch.manual_seed(0)
+    payload = get_arrays(build_model(cfg.model, rnd.input_shape, rnd.num_classes))
+    trainer = FEDORATrainer(cfg)
+    mine, theirs = trainer.fit(rnd, payload, {}).state, trainer.fit(other, payload, {}).state
+    state = {k: (theirs[k] if "running_" in k else v) for k, v in mine.items()}   # its weights, their statistics
+    out = trainer.evaluate(rnd, payload, state)
+    model = trainer.personal_model(rnd, payload, state)
+    weights = rnd.data.class_weights
+    stored = evaluate(model, rnd.data.test, CPU, class_weights=weights)["accuracy"]
+    own_model = recompute_bn_statistics(model, rnd.data.train, int(cfg.train.batch_size), CPU)
+    own = evaluate(own_model, rnd.data.test, CPU, class_weights=weights)["accuracy"]
+    x = torch.stack([rnd.data.train[i][0] for i in range(len(rnd.data.train))])
+    with torch.no_grad():
+        conv = own_model.features[0](x).numpy()
+    mean, _ = _batch_average(conv, int(cfg.train.batch_size))      # its own data's statistics
+    np.testing.assert_allclose(own_model.features[1].running_mean.numpy(), mean, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(state["model/features.1.running_mean"], mean, atol=1e-3)
+    assert out["accuracy"] == out["own_bn_accuracy"] == own
+    assert out["stored_bn_accuracy"] == stored
+    assert own != stored
+
+
+def test_the_global_model_of_fedavg_is_tested_as_the_server_holds_it() -> None:
+    cfg = compose_config({}, [])                                     # FedAvg, the default cnn with BN
+    rnd = _round(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
+    payload = get_arrays(model)
+    out = ClientTrainer(cfg).evaluate(rnd, payload, {})
+    assert out["accuracy"] == evaluate(model, rnd.data.test, CPU, class_weights=rnd.data.class_weights)["accuracy"]
+    assert not any(k.startswith(("own_bn_", "stored_bn_")) for k in out)
+
+
+@pytest.mark.parametrize(("mode", "compare", "expected"), [
+    ("recompute", True, ("own", "stored")), ("stored", True, ("stored", "own")), ("stored", False, ("stored",)),
+])
+def test_the_protocols_measured(mode: str, compare: bool, expected: tuple[str, ...]) -> None:
+    cfg = compose_config({"strategy": "local"}, [f"eval_bn_statistics={mode}", f"eval_bn_compare={compare}"])
+    rnd = _round(cfg)
+    trainer = LocalTrainer(cfg)
+    assert trainer.bn_protocols(trainer.new_model(rnd)) == expected
+    mlp = compose_config({"strategy": "local"}, ["model=mlp"])
+    assert LocalTrainer(mlp).bn_protocols(build_model(mlp.model, rnd.input_shape, rnd.num_classes)) == ()
+
+
+def test_the_summary_names_its_protocol_and_each_protocols_best_round() -> None:
+    """Each protocol's best round is the one with its own highest validation accuracy."""
+    cfg = compose_config({"strategy": "ditto"}, [])
+
+    def ev(rnd: int, own: tuple[float, float], stored: tuple[float, float]) -> dict:
+        clients = {"0": {"accuracy": own[0], "val_accuracy": own[1], "own_bn_accuracy": own[0],
+                         "own_bn_val_accuracy": own[1], "stored_bn_accuracy": stored[0],
+                         "stored_bn_val_accuracy": stored[1]}}
+        summary = {f"{k}_{s}": v for k, v in clients["0"].items() for s in ("mean", "min", "std")}
+        return {"round": rnd, "evaluate": summary, "clients": clients}
+
+    rounds = [ev(1, (0.5, 0.9), (0.2, 0.1)), ev(2, (0.6, 0.5), (0.3, 0.8)), ev(3, (0.7, 0.6), (0.25, 0.3))]
+    summary = build_summary(cfg, rounds, {"0": {"num_train": 10}}, "completed")
+    assert summary["bn_statistics"] == "own"
+    own, stored = summary["bn_protocols"]["own"], summary["bn_protocols"]["stored"]
+    assert (own["accuracy_mean"], own["best_round"], own["best_accuracy_mean"]) == (0.7, 1, 0.5)
+    assert (stored["accuracy_mean"], stored["best_round"], stored["best_accuracy_mean"]) == (0.25, 2, 0.3)
+    assert summary["best_round"] == own["best_round"] and summary["accuracy_mean"] == own["accuracy_mean"]
+    fedavg = build_summary(compose_config({}, []), [{"round": 1, "evaluate": {
+        "accuracy_mean": 0.5, "accuracy_min": 0.5, "accuracy_std": 0.0}, "clients": {"0": {"accuracy": 0.5}}}],
+        {"0": {}}, "completed")
+    assert fedavg["bn_statistics"].startswith("as held") and "bn_protocols" not in fedavg
+
+
+def test_fdse_trains_with_its_authors_optimiser_unless_told_otherwise() -> None:
+    """FLGo's SGD (momentum 0, weight decay 1e-3, clip 10, lr x 0.9998 a round) is FDSE's
+    default on any dataset; an experiment's train block and the command line still win; the
+    other methods keep the run's defaults."""
+    fdse, fedavg = compose_config({"strategy": "fdse"}, []), compose_config({}, [])
+    assert (fdse.train.momentum, fdse.train.weight_decay, fdse.train.clip, fdse.train.lr_decay) == (0.0, 1e-3, 10.0, 0.9998)
+    assert (fedavg.train.momentum, fedavg.train.lr_decay) == (0.9, 1.0)
+    assert compose_config({"strategy": "fdse"}, ["train.momentum=0.5"]).train.momentum == 0.5
+    digits = compose_config({}, ["experiment=fdse-digits"])
+    assert digits.train.momentum == 0.0 and digits.eval_bn_statistics == "stored"
+    assert compose_config({}, ["experiment=fdse-digits-sources", "strategy=fedbn"]).eval_bn_statistics == "stored"
