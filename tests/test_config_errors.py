@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from common.config import ConfigError, compose_config, group_options
 from ops import cli
@@ -87,10 +86,7 @@ def test_the_styled_digit_experiments_name_the_command_that_makes_their_tree(
     cfg = compose_config({}, ["experiment=styled-digits-personalised", "strategy=ditto"])
     assert (cfg.dataset.root, list(cfg.dataset.domains)) == ("data/styled-digits", ["ink", "neon", "noisy", "photo"])
     assert (cfg.model.name, cfg.model.width, cfg.train.batch_size, cfg.rounds) == ("alexnet-bn", 0.125, 50, 25)
-    recompute = compose_config({}, ["experiment=styled-digits-recompute", "strategy=ditto"])
-    assert recompute.eval_bn_statistics == "recompute" and cfg.eval_bn_statistics == "stored"
-    assert OmegaConf.masked_copy(recompute, ["dataset", "model", "train", "rounds"]) == \
-        OmegaConf.masked_copy(cfg, ["dataset", "model", "train", "rounds"])
+    assert cfg.eval_bn_statistics == "recompute"
 
 
 def test_not_key_value(capsys: pytest.CaptureFixture[str]) -> None:
