@@ -1,18 +1,21 @@
-"""A finished run's personal models with their stored BatchNorm statistics and with statistics
-recomputed on each client's own train split (a diagnostic; not CI).
+"""A finished run's personal models tested with both BN protocols: the statistics they
+carry (``stored``) and statistics recomputed on each client's own train split (``own``);
+a diagnostic for runs made before every run measured both (not CI).
 
-    python3 -m bench.bn_statistics RUN --prefix personal/     # Ditto's personal model v
-    python3 -m bench.bn_statistics RUN --prefix model/        # PartialFed's, FEDORA's model
+    python3 -m bench.bn_statistics RUN [RUN ...]
 
-Why: a model whose weights are moved between its training steps and its evaluation without its
-data going through it (Ditto's v pulled towards a new global model every round, PartialFed's
-soft mix of global and local weights, whose running statistics are mixed with the global
-model's average over domains) is evaluated with BN running statistics that are not its own.
-On a feature-shift tree that alone can put a client far below training alone while its training
-loss is low. The weights are left as stored; only the running statistics are recomputed (a
-cumulative average over one pass of the train split in train mode, no gradient), so a gap
-between the two columns is the statistics' share of the client's accuracy. A run with
-``eval_bn_statistics=recompute`` evaluates its clients this way itself.
+Why: a model whose weights move between its training steps and its evaluation without its
+data going through it (Ditto's v pulled towards a new global model, PartialFed's soft mix,
+FEDORA's propagated parameters, FedBasis' combination of bases averaged over clients) carries
+running statistics that are not those of its weights on its client's data. Since
+``eval_bn_statistics``/``eval_bn_compare`` a run reports both itself (``summary.json``'s
+``bn_protocols``); this re-evaluates an older run's final state the same way.
+
+The personal model is formed by the method's own code from what the run left: the server's
+final checkpoint (its per-client payload, ``Strategy.payload_for``) and each client's newest
+private state, through ``ClientTrainer.personal_model`` and ``with_own_bn_statistics``, so
+every method's model is read, FedBasis' bases included. Both columns come from the same
+weights; only the running statistics differ.
 """
 
 from __future__ import annotations
@@ -20,43 +23,57 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import torch
-import yaml
+from omegaconf import DictConfig, OmegaConf
 
-from client.state import VERSION_RE
+from client.state import ClientStateStore
+from client.trainer import ClientRound
+from common.methods import trainer_class
 from learning.data import load_federated_data
-from learning.models import build_model
-from learning.params import set_arrays
-from learning.storage import load_arrays_file
-from learning.training import evaluate, recompute_bn_statistics
+from learning.training import evaluate
+from server.app import build_strategy
+from server.checkpoint import load_checkpoint
+
+
+def both_protocols(run: Path) -> dict[str, dict[str, float]]:
+    """``{client: {"stored": acc, "own": acc}}`` of the run's final personal models (test split)."""
+    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
+    last, groups, meta = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
+    groups.pop("_rng", None)
+    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    strategy = build_strategy(cfg, data)
+    strategy.load_state(groups, meta.get("strategy_state", {}))
+    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
+    state_root = Path(str(cfg.state_root) or run / "client_state")
+    device = torch.device("cpu")
+    out: dict[str, dict[str, float]] = {}
+    for cid in data.client_ids:
+        rnd = ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+                          input_shape=data.input_shape, device=device, server_round=last + 1)
+        state, _ = ClientStateStore(state_root / cid).load(max_round=last)
+        payload = trainer.receive(rnd, strategy.payload_for(cid), state)
+        model = trainer.personal_model(rnd, payload, state)
+        weights = rnd.data.class_weights
+        out[cid] = {"stored": evaluate(model, rnd.data.test, device, class_weights=weights)["accuracy"],
+                    "own": evaluate(trainer.with_own_bn_statistics(model, rnd), rnd.data.test, device,
+                                    class_weights=weights)["accuracy"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, help="a finished run folder (config.yaml, client_state/)")
-    parser.add_argument("--prefix", default="model/", help="the state prefix of the evaluated model")
+    parser.add_argument("runs", type=Path, nargs="+", help="finished run folders (config.yaml, checkpoint/, "
+                        "client_state/)")
     args = parser.parse_args(argv)
-    cfg = yaml.safe_load((args.run / "config.yaml").read_text())
-    state_root = Path(cfg.get("state_root") or args.run / "client_state")
-    data = load_federated_data(cfg["dataset"], int(cfg["seed"]))
-    device = torch.device("cpu")
-    for cid, split in data.clients.items():
-        versions = sorted(p for p in (state_root / cid).glob("state-r*.npz") if VERSION_RE.match(p.name))
-        if not versions:
-            print(f"client {cid}: no saved state under {state_root / cid}")
-            continue
-        arrays, _ = load_arrays_file(versions[-1])
-        own = {k[len(args.prefix):]: v for k, v in arrays.items() if k.startswith(args.prefix)}
-        if not own:
-            print(f"client {cid}: no arrays with prefix {args.prefix!r} in {versions[-1].name}")
-            continue
-        model = build_model(cfg["model"], data.input_shape, data.num_classes)
-        set_arrays(model, own)
-        stored = evaluate(model, split.test, device)["accuracy"]
-        model = recompute_bn_statistics(model, split.train, int(cfg["train"]["batch_size"]), device)
-        recomputed = evaluate(model, split.test, device)["accuracy"]
-        print(f"client {cid} ({split.domain}): test accuracy with its stored BN statistics {stored:.4f}, "
-              f"with statistics recomputed on its train split {recomputed:.4f}")
+    print("| run | stored: mean (worst) | own: mean (worst) | per client, stored -> own |")
+    print("|---|---|---|---|")
+    for run in args.runs:
+        acc = both_protocols(run)
+        stored, own = (np.array([a[p] for a in acc.values()]) for p in ("stored", "own"))
+        clients = ", ".join(f"{c}: {a['stored']:.3f} -> {a['own']:.3f}" for c, a in acc.items())
+        print(f"| {run.name} | {stored.mean():.4f} ({stored.min():.4f}) | {own.mean():.4f} ({own.min():.4f}) "
+              f"| {clients} |")
     return 0
 
 
