@@ -706,7 +706,7 @@ def overrides_help() -> str:
   resume=<run folder> alone resumes a run with its own configuration (only rounds, round_timeout,
     wait_for_clients, device, deterministic, data_cache, checkpoint_every, stream_replies_mb may change)
   rounds, seed, run_name, results_root, overwrite=true, device,
-  eval_every, eval_bn_statistics, fraction_train, min_train_clients, round_timeout, checkpoint_every,
+  eval_every, eval_bn_statistics, eval_bn_compare, fraction_train, min_train_clients, round_timeout, checkpoint_every,
   stream_replies_mb,
   train.{{lr,local_epochs,batch_size,momentum,weight_decay,optimizer,amp}},
   dataset.{{root,clients_per_domain,new_clients_per_domain,partition,dirichlet_alpha,image_size}},
