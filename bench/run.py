@@ -36,10 +36,12 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def machine() -> str:
-    import torch
+    """This machine as run summaries name it (``server.results.machine_description``)."""
+    from server.results import machine_description
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.machine()}, {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+    m = machine_description("auto")
+    return (f"{m['cpu']}, {m['cpu_count']} CPUs, {m['gpu'] or 'no GPU'}, torch {m['torch']}, "
+            f"Python {platform.python_version()}")
 
 
 # ---------------------------------------------------------------------------------- (a)

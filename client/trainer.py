@@ -275,7 +275,7 @@ class ClientTrainer:
         for protocol in protocols:
             tested = self.with_own_bn_statistics(model, rnd) if protocol == "own" else model
             result = _prefixed_eval(tested, rnd, "")
-            if not out:
+            if protocol == protocols[0]:             # the headline's protocol
                 out.update(result)
             out[f"{protocol}_bn_accuracy"] = result["accuracy"]
             out[f"{protocol}_bn_val_accuracy"] = result["val_accuracy"]

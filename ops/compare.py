@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from server.results import bn_label
+
 COLUMNS = (
     ("accuracy_mean", "acc mean"),
     ("accuracy_min", "acc min"),
@@ -138,7 +140,7 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
             cells.append(_fmt([r[key] for r in members if key in r]))
         cells += [", ".join(f"{r['accuracy_mean']:.4f}" for r in members), machines(members)]
         if show_bn:
-            cells.append(", ".join(sorted({str(r.get("bn_statistics", "-")).split(" (")[0] for r in members})))
+            cells.append(", ".join(sorted({bn_label(r) for r in members})))
             for protocol in BN_PROTOCOLS:
                 for key, _ in BN_COLUMNS:
                     cells.append(_fmt([r["bn_protocols"][protocol][key] for r in members

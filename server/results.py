@@ -367,6 +367,12 @@ def pooled_accuracy(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, 
 BN_AS_HELD = "as held (no personal BN model: the server's model, a fine-tuned model, or no BN running statistics)"
 
 
+def bn_label(summary: Mapping[str, Any]) -> str:
+    """The headline's BN protocol in a word or two (``own``, ``stored``, ``as held``), for
+    plot titles and table cells."""
+    return str(summary.get("bn_statistics", BN_AS_HELD)).split(" (")[0]
+
+
 def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[str, Any]:
     """Which BN statistics the headline accuracy was tested with (``bn_statistics``: ``own``,
     recomputed on each client's train split, or ``stored``), and every protocol the run
@@ -462,7 +468,7 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy over clients")
     ax.set_title(f"{summary['strategy']} on {summary['dataset']} (seed {summary['seed']})\n"
-                 f"BN statistics: {summary.get('bn_statistics', BN_AS_HELD).split(' (')[0]}", fontsize=9)
+                 f"BN statistics: {bn_label(summary)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -487,7 +493,7 @@ def plot_run(run_dir: Path, rounds: list[dict[str, Any]], summary: Mapping[str, 
     ax.set_ylabel("final personalised test accuracy")
     ax.set_ylim(0, 1)
     ax.set_title(f"{summary['strategy']}: mean {summary['accuracy_mean']:.3f}, min {summary['accuracy_min']:.3f} "
-                 f"(BN statistics: {summary.get('bn_statistics', BN_AS_HELD).split(' (')[0]})", fontsize=9)
+                 f"(BN statistics: {bn_label(summary)})", fontsize=9)
     fig.tight_layout()
     fig.savefig(run_dir / "clients.png", dpi=100)
     plt.close(fig)
