@@ -33,7 +33,7 @@ from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.training import evaluate
 from server.app import build_strategy
-from server.checkpoint import load_checkpoint
+from server.checkpoint import CHECKPOINT, load_checkpoint
 
 
 def both_protocols(run: Path) -> dict[str, dict[str, float]]:
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=Path, nargs="+", help="finished run folders (config.yaml, checkpoint/, "
                         "client_state/)")
     args = parser.parse_args(argv)
+    for run in args.runs:
+        if not (run / "config.yaml").exists() or not (run / CHECKPOINT).exists():
+            parser.error(f"{run} is not a finished run folder (it needs config.yaml and checkpoint/, "
+                         "as pflower run writes with checkpoint_every >= 1)")
     print("| run | stored: mean (worst) | own: mean (worst) | per client, stored -> own |")
     print("|---|---|---|---|")
     for run in args.runs:
