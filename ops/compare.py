@@ -35,7 +35,8 @@ COLUMNS = (
 # each BN protocol a run measured (summary.json's bn_protocols): own = recomputed on the
 # client's train split, stored = as training/aggregation left them
 BN_PROTOCOLS = ("own", "stored")
-BN_COLUMNS = (("accuracy_mean", "acc mean"), ("accuracy_min", "acc min"))
+BN_COLUMNS = (("accuracy_mean", "acc mean"), ("accuracy_min", "acc min"),
+              ("best_accuracy_mean", "acc @ best val round"))
 
 
 def machines(runs: list[dict[str, Any]]) -> str:

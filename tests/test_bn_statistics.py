@@ -6,6 +6,9 @@ combine to; each protocol's numbers and best round in the summary."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +221,29 @@ def test_fdse_trains_with_its_authors_optimiser_unless_told_otherwise() -> None:
     digits = compose_config({}, ["experiment=fdse-digits"])
     assert digits.train.momentum == 0.0 and digits.eval_bn_statistics == "stored"
     assert compose_config({}, ["experiment=fdse-digits-sources", "strategy=fedbn"]).eval_bn_statistics == "stored"
+
+
+def test_compare_prints_each_protocols_numbers_by_seed_and_machine(tmp_path: Path) -> None:
+    """`pflower compare` shows both protocols side by side (final mean, worst client, the
+    accuracy at each protocol's own best round), every seed's headline and the machine."""
+    from ops.compare import compare_runs
+
+    def run(seed: int, own: tuple[float, float, float], stored: tuple[float, float, float]) -> Path:
+        d = tmp_path / f"fedbn-s{seed}"
+        d.mkdir()
+        protocols = {p: dict(zip(("accuracy_mean", "accuracy_min", "best_accuracy_mean"), v, strict=True))
+                     for p, v in (("own", own), ("stored", stored))}
+        d.joinpath("summary.json").write_text(json.dumps({
+            "strategy": "fedbn", "dataset": "d", "model": "m", "seed": seed, "accuracy_mean": own[0],
+            "accuracy_min": own[1], "clients": {"0": {"accuracy": own[0]}}, "bn_statistics": "own",
+            "bn_protocols": protocols, "machine": {"gpu": None, "cpu": "Xeon", "torch": "2.14.1"}}))
+        return d
+
+    text = compare_runs([run(0, (0.9, 0.8, 0.85), (0.5, 0.2, 0.6)), run(1, (0.7, 0.6, 0.75), (0.3, 0.1, 0.4))])
+    header, _, row = text.splitlines()
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")], strict=True))
+    assert cells["acc mean (own BN)"] == "0.8000 ± 0.1000" and cells["acc min (stored BN)"] == "0.1500 ± 0.0500"
+    assert cells["acc @ best val round (own BN)"] == "0.8000 ± 0.0500"
+    assert cells["acc @ best val round (stored BN)"] == "0.5000 ± 0.1000"
+    assert cells["acc mean by seed"] == "0.9000, 0.7000" and cells["machine"] == "Xeon, torch 2.14.1"
+    assert cells["BN stats"] == "own"
