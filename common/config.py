@@ -26,7 +26,7 @@ from common.settings import (
     RunKeys,
     TrainSettings,
 )
-from learning.typed import read_typed
+from learning.typed import read_typed, unknown_key_message
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")
@@ -183,7 +183,7 @@ def discover_imagefolder(cfg: DictConfig) -> None:
         ds.name = root.resolve().name or "imagefolder"
 
 
-def _hydra_compose(overrides: list[str]) -> DictConfig:
+def _hydra_compose(overrides: list[str], explain: bool = True) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -193,9 +193,56 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except HydraException as err:
+        problems = unknown_override_keys(overrides) if explain else []
+        if problems:
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems)) from None
         raise ConfigError(f"invalid config override: {err}") from err
     finally:
         GlobalHydra.instance().clear()
+
+
+def _dotted_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for k in node:
+        path = f"{prefix}{k}"
+        keys.append(path)
+        child = node._get_node(k)
+        if isinstance(child, DictConfig):
+            keys += _dotted_keys(child, f"{path}.")
+    return keys
+
+
+def unknown_override_keys(overrides: list[str]) -> list[str]:
+    """One message per override that sets a key the configuration lacks (``train.lrr=0.1``),
+    with the nearest valid key and the group's valid keys. Hydra refuses such an override with
+    advice to add the key (``+train.lrr=0.1``), which pflower's typed groups would refuse in
+    turn; the keys are found with Hydra's own override parser, and the configuration they are
+    looked up in is composed from the command line's group choices alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        base = _hydra_compose([o for o in overrides if o.lstrip("+~").partition("=")[0] in GROUPS],
+                              explain=False)
+    except (HydraException, ConfigError):
+        return []
+    everywhere = _dotted_keys(base)
+    problems: list[str] = []
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_add() or override.is_force_add() or override.is_delete() or key in GROUPS:
+            continue  # '+key' and '~key' are Hydra's own requests; pflower's groups check them
+        node, parts = base, key.split(".")
+        for depth, part in enumerate(parts):
+            if not isinstance(node, DictConfig):
+                break
+            if part not in node:  # the first level that lacks the key is the one to name
+                group, unknown = ".".join(parts[:depth]), ".".join(parts[:depth + 1])
+                problems.append(unknown_key_message([unknown], [str(k) for k in node], group, everywhere))
+                break
+            node = node._get_node(part)
+    return problems
 
 
 def validate_config(cfg: DictConfig) -> None:

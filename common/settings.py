@@ -140,6 +140,7 @@ class PersonalizeSettings:
     batch_size: int
     momentum: float
     weight_decay: float
+    after_run: bool
 
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"personalize.epochs must be >= 1, got {self.epochs}")

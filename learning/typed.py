@@ -12,10 +12,11 @@ read at run time to convert YAML values.
 """
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -24,6 +25,25 @@ T = TypeVar("T")
 class ConfigKeyError(ValueError):
     """A config key is missing, unknown, of the wrong type or out of range; the message names
     the key (``group.key``) and the fix."""
+
+
+def did_you_mean(key: str, valid: Iterable[str], group: str = "", elsewhere: Iterable[str] = ()) -> str:
+    """`` (did you mean train.lr?)`` for a mistyped ``key``: the nearest valid key of its group
+    (``difflib``), else a key of the same name in another group (``lr`` -> ``train.lr``, from
+    ``elsewhere``, every dotted key of the config); empty when nothing is near."""
+    leaf = key.rpartition(".")[2]
+    near = difflib.get_close_matches(leaf, list(valid), n=1, cutoff=0.6)
+    prefix = f"{group}." if group else ""
+    guesses = [prefix + near[0]] if near else [k for k in elsewhere if k.rpartition(".")[2] == leaf]
+    return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+
+
+def unknown_key_message(keys: list[str], valid: Iterable[str], group: str = "",
+                        elsewhere: Iterable[str] = ()) -> str:
+    """``unknown key train.lrr (did you mean train.lr?); valid train keys: ...``"""
+    valid = sorted(valid)
+    named = ", ".join(k + did_you_mean(k, valid, group, elsewhere) for k in keys)
+    return f"unknown key{'s' if len(keys) > 1 else ''} {named}; valid {group or 'top-level'} keys: {', '.join(valid)}"
 
 
 # While read_typed builds a class, failed checks are collected here, so that one message
@@ -112,8 +132,7 @@ def read_typed(cls: type[T], values: Mapping[str, Any], group: str, where: str,
                     f"are in {where} (override with {label('<key>')}=...)")
     unknown = sorted(str(k) for k in values if k not in fields)
     if unknown:
-        raise error(f"unknown key(s) {', '.join(map(label, unknown))}; valid {group or 'top-level'} keys: "
-                    f"{', '.join(sorted(fields))}")
+        raise error(unknown_key_message([label(k) for k in unknown], fields, group))
     hints = typing.get_type_hints(cls)
     problems: list[str] = []
     kwargs: dict[str, Any] = {}

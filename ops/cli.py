@@ -132,6 +132,34 @@ def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None
     return share
 
 
+class RunFinished(Exception):
+    """The configuration's folder already holds its finished run: nothing to start."""
+
+
+def finished_summary(run_dir: Path, cfg: DictConfig) -> dict | None:
+    """The summary of the finished run of ``cfg`` in ``run_dir`` (all its rounds, not marked
+    FAILED), or None. ``overwrite=true`` never finds one: it runs again."""
+    summary = run_dir / "summary.json"
+    if cfg.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
+        return None
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return None
+    return s if isinstance(s, dict) and int(s.get("rounds", cfg.rounds)) == int(cfg.rounds) else None
+
+
+def say_finished(run_dir: Path) -> int:
+    """A command whose run is already done says where its result is and starts nothing (exit 0)."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    result = (f": accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f}"
+              if {"accuracy_mean", "accuracy_min"} <= s.keys() else "")
+    print(f"pflower: {run_dir} already holds this run, finished ({s.get('status', 'completed')}){result} -> "
+          f"{run_dir / 'summary.json'}; nothing started (overwrite=true runs it again, run_name=<new name> "
+          "keeps both)")
+    return 0
+
+
 def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], list[str], int]:
     """Everything that can be checked before a Flower process starts (exit 2 on failure):
     the config, the dataset (the whole image tree for image folders: missing or empty
@@ -145,6 +173,8 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     cfg = compose_config(run_cfg, rest)
+    if finished_summary(Path(cfg.results_root) / cfg.run_name, cfg) is not None:
+        raise RunFinished(Path(cfg.results_root) / cfg.run_name)
     n = num_clients(cfg.dataset)
     if cfg.dataset.source == "imagefolder" and not cfg.dataset.synthetic:
         problems = image_tree_problems(str(cfg.dataset.root), list(cfg.dataset.domains), verify_images=True)
@@ -295,6 +325,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus), ray_cpus)
         ray_address = use_ray_cluster(getattr(args, "ray_address", None))
         check_client_resources(float(args.num_cpus), num_gpus, ray_address, ray_cpus)
+    except RunFinished as done:
+        return say_finished(Path(str(done)))
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
@@ -345,7 +377,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not summary.exists() or summary.stat().st_mtime < started:
         return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
                                        f"{summary}); see the log above")
-    if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.new_clients_per_domain) > 0:
+    if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.new_clients_per_domain) > 0 \
+            and not cfg.personalize.after_run:
+        print(f"pflower: the new clients are not personalised (personalize.after_run=false); "
+              f"pflower personalize {run_dir} does it")
+    elif str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.new_clients_per_domain) > 0:
         from ops.personalize import personalize_run
 
         settings = cfg.personalize
@@ -524,8 +560,7 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
     root = Path(run_cfg.get("results-root", "results")).resolve()
     cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
     folder = root / cfg.run_name
-    done = (folder / "summary.json").exists() and not cfg.overwrite and not (folder / "FAILED").exists()
-    return folder, done
+    return folder, finished_summary(folder, cfg) is not None
 
 
 def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> list[str]:
@@ -664,6 +699,12 @@ def run_all(grid: list[list[str]], args: argparse.Namespace, who: str = "sweep")
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = expand_grid(args.overrides)
+    try:  # every run's configuration is checked before the first one starts
+        for combo in grid:
+            run_folder(combo)
+    except ConfigError as err:
+        print(f"pflower sweep: {err}", file=sys.stderr)
+        return 2
     try:
         outcomes = run_all(grid, args)
     except KeyboardInterrupt:

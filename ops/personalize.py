@@ -38,6 +38,7 @@ from common.protocol import client_sort_key
 from learning.data import ClientSplit, load_federated_data
 from learning.models import resolve_device
 from learning.training import OptimConfig
+from ops.progress import PhaseProgress
 from server.checkpoint import CheckpointError, load_checkpoint
 
 
@@ -78,22 +79,14 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
                       weight_decay=float(settings["weight_decay"]), epochs=1, clip=float(cfg.train.clip),
                       optimizer=str(cfg.train.optimizer))
     results: dict[str, Any] = {}
-    for cid in clients or sorted(data.new_clients, key=client_sort_key):
-        split = data.new_clients[cid]
-        per_mode: dict[str, Any] = {}
-        for mode in trainer.new_client_modes():
-            for size, share in sizes.items():
-                part = subset_train(split, float(share), int(cfg.seed))
-                for lr in lrs:
-                    rnd = ClientRound(cfg=cfg, client_id=cid, data=part, num_classes=data.num_classes,
-                                      input_shape=data.input_shape, device=device, server_round=last_round + 1)
-                    model, trainable = trainer.new_client_model(rnd, payload, mode)
-                    curve = personalize_curve(model, rnd, trainable, dataclasses.replace(opt, lr=lr), epochs,
-                                              trainer.new_client_lr_scales())
-                    per_mode.setdefault(mode, {}).setdefault(size, {})[str(lr)] = {
-                        **last_and_best(curve), "num_train": len(part.train),
-                        "test_curve": [c["accuracy"] for c in curve]}
-        results[cid] = {"domain": split.domain, "results": per_mode}
+    chosen = clients or sorted(data.new_clients, key=client_sort_key)
+    fits = len(chosen) * len(trainer.new_client_modes()) * len(sizes) * len(lrs)
+    print(f"pflower: personalising {len(chosen)} new clients of {run.name}: {fits} fits of {epochs} epochs "
+          f"({len(trainer.new_client_modes())} modes x {len(sizes)} sizes x {len(lrs)} lrs a client)", flush=True)
+    with PhaseProgress("personalising new clients", fits) as progress:
+        for cid in chosen:
+            results[cid] = personalize_client(cid, data, trainer, cfg, payload, sizes, lrs, epochs, opt, device,
+                                              last_round, progress)
     table = summarise(results)
     out = {"settings": {"epochs": epochs, "lrs": lrs, "sizes": sizes, "batch_size": opt.batch_size,
                         "momentum": opt.momentum, "weight_decay": opt.weight_decay, "round": last_round},
@@ -104,6 +97,28 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
     lr = str(float(fixed)) if fixed is not None and float(fixed) in lrs else select_lr(table[mode][size])
     update_summary(run, table, mode, lr, size, selected=fixed is None or float(fixed) not in lrs)
     return out
+
+
+def personalize_client(cid: str, data: Any, trainer: Any, cfg: DictConfig, payload: Any,
+                       sizes: Mapping[str, float], lrs: list[float], epochs: int, opt: OptimConfig,
+                       device: Any, last_round: int, progress: PhaseProgress) -> dict[str, Any]:
+    """One new client's fits: each of the method's modes, each train-split size, each lr."""
+    split = data.new_clients[cid]
+    per_mode: dict[str, Any] = {}
+    for mode in trainer.new_client_modes():
+        for size, share in sizes.items():
+            part = subset_train(split, float(share), int(cfg.seed))
+            for lr in lrs:
+                rnd = ClientRound(cfg=cfg, client_id=cid, data=part, num_classes=data.num_classes,
+                                  input_shape=data.input_shape, device=device, server_round=last_round + 1)
+                model, trainable = trainer.new_client_model(rnd, payload, mode)
+                curve = personalize_curve(model, rnd, trainable, dataclasses.replace(opt, lr=lr), epochs,
+                                          trainer.new_client_lr_scales())
+                per_mode.setdefault(mode, {}).setdefault(size, {})[str(lr)] = {
+                    **last_and_best(curve), "num_train": len(part.train),
+                    "test_curve": [c["accuracy"] for c in curve]}
+                progress.step(f"client {cid}, {mode} {size} lr {lr}")
+    return {"domain": split.domain, "results": per_mode}
 
 
 def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None, lr: float | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,3 +120,65 @@ def run_progress(run_dir: Path, rounds: int, label: str, enabled: bool | None = 
         return
     with RunProgress(run_dir, rounds, label) as bar:
         yield bar
+
+
+class PhaseProgress:
+    """Progress of a phase of known length outside the rounds (FedBasis' new-client
+    personalisation after the last round, minutes on a CPU): a ``rich`` bar on a terminal,
+    otherwise a line at most every ``every_s`` seconds (what, i of N, time left), so that no
+    phase longer than a few seconds is silent."""
+
+    def __init__(self, what: str, total: int, every_s: float = 10.0, enabled: bool | None = None,
+                 stream: IO[str] | None = None) -> None:
+        self.what, self.total, self.every_s, self.done = what, max(int(total), 1), float(every_s), 0
+        self.stream = stream or sys.stdout
+        self._clock = time.monotonic
+        self._start = self._last = self._clock()
+        self._bar: Any = None
+        if progress_wanted(self.stream) if enabled is None else enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[detail]}"), transient=True)
+            self._task = self._bar.add_task(what, total=self.total, detail="")
+            self._bar.start()
+
+    def left_s(self) -> float | None:
+        """Seconds left at the mean pace so far (None before the first step)."""
+        if not self.done:
+            return None
+        return (self._clock() - self._start) / self.done * (self.total - self.done)
+
+    def step(self, detail: str = "") -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, detail=detail)
+            return
+        now = self._clock()
+        if now - self._last >= self.every_s or self.done == self.total:
+            self._last = now
+            left = self.left_s()
+            eta = "" if left is None or self.done == self.total else f", about {_duration(left)} left"
+            print(f"pflower: {self.what}: {self.done}/{self.total}" + (f" ({detail})" if detail else "") + eta,
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __enter__(self) -> PhaseProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +144,7 @@ def cmd_tune(args: argparse.Namespace, run_all: RunAll, compare: Callable[[argpa
         seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
         choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_all)
     except (ConfigError, ValueError) as err:
-        print(f"pflower tune: {err}", flush=True)
+        print(f"pflower tune: {err}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("pflower tune: interrupted; finished runs are reused when the same tune is run again", flush=True)

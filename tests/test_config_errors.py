@@ -3,6 +3,7 @@ starts no Flower process (the launcher is replaced by one that fails the test)."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,29 @@ def test_the_styled_digit_experiments_name_the_command_that_makes_their_tree(
 def test_not_key_value(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run(capsys, "fedbn")
     assert code == 2 and "is not KEY=VALUE" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.lrr=0.1"], "unknown key train.lrr (did you mean train.lr?); valid train keys: amp, batch_size,"),
+    (["+train.lrr=0.1"], "unknown key train.lrr (did you mean train.lr?); valid train keys: amp, batch_size,"),
+    (["strategy=ditto", "strategy.lamm=0.5"], "unknown key strategy.lamm (did you mean strategy.lam?); "
+                                              "valid strategy keys: lam, name, personal_epochs, weighted"),
+    (["lr=0.1"], "unknown key lr (did you mean train.lr or finetune.lr or personalize.lr?); valid top-level keys:"),
+    (["trian.lr=0.1"], "unknown key trian (did you mean train?); valid top-level keys:"),
+    (["dataset.clients_per_domian=3"], "unknown key dataset.clients_per_domian (did you mean "
+                                       "dataset.clients_per_domain?)"),
+])
+def test_a_mistyped_key_names_the_nearest_valid_one(capsys: pytest.CaptureFixture[str], overrides: list[str],
+                                                     message: str) -> None:
+    """Hydra alone answers `train.lrr=0.1` with advice to add the key (`+train.lrr`), which the
+    typed groups then refuse; pflower names the key, the nearest valid one and the group's keys,
+    from `pflower run`, `sweep`, `tune` and `deploy`, and from a Flower run config alike."""
+    for command in (["run"], ["sweep"], ["tune", "--grid", "seed=0"], ["deploy"]):
+        code = cli.main([*command, *overrides])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (command, err)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_config({"overrides": " ".join(overrides)})
 
 
 # ---------------------------------------------------------------- resume

@@ -454,9 +454,11 @@ def test_bad_options_are_named_before_training(override: str, named: str) -> Non
 def test_pflower_run_fedbasis_and_personalize_end_to_end(tmp_path) -> None:
     proc = pflower("run", "strategy=fedbasis", "rounds=4", "strategy.warm_fraction=0.5",
                    "strategy.coeff_epochs=1", "strategy.basis_epochs=1", "dataset.clients_per_domain=1",
-                   "run_name=fb", f"results_root={tmp_path}")
+                   "personalize.after_run=false", "run_name=fb", f"results_root={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "fb"
+    assert f"the new clients are not personalised (personalize.after_run=false); pflower personalize {run}" \
+        in proc.stdout and not (run / "new_clients.json").exists()
     rounds = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["fedbasis"]["phase"] for r in rounds] == ["warm-up", "bases", "bases", "bases"]
     summary = json.loads((run / "summary.json").read_text())
@@ -471,6 +473,8 @@ def test_pflower_run_fedbasis_and_personalize_end_to_end(tmp_path) -> None:
         assert c["bytes_down"]["0"] == c["bytes_up"]["0"] == 5 * one_model
     proc = pflower("personalize", str(run), "--epochs", "2", "--lr", "0.01")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pflower: personalising 4 new clients of fb: 8 fits of 2 epochs" in proc.stdout   # not silent
+    assert "pflower: personalising new clients: 8/8 (client new-3, basis M lr 0.01)" in proc.stdout
     result = json.loads((run / "new_clients.json").read_text())
     assert sorted(result["clients"]) == ["new-0", "new-1", "new-2", "new-3"]
     summary = json.loads((run / "summary.json").read_text())

@@ -90,14 +90,34 @@ def test_a_second_live_run_on_the_same_folder_is_refused(tmp_path: Path) -> None
     RunFolderLock(tmp_path / "r").acquire().release()
 
 
-def test_pflower_run_refuses_an_existing_folder_before_starting_anything(tmp_path: Path) -> None:
+def test_pflower_run_refuses_a_folder_holding_an_unfinished_run_before_starting_anything(tmp_path: Path) -> None:
     (tmp_path / "fedavg-digits-domains-cnn-s0").mkdir()
-    (tmp_path / "fedavg-digits-domains-cnn-s0" / "summary.json").write_text("{}")
+    (tmp_path / "fedavg-digits-domains-cnn-s0" / "metrics.jsonl").write_text("{}\n")
     t0 = time.monotonic()
     code, out = _cli("run", f"results_root={tmp_path}")
     assert code == 2, out
-    assert "already holds a run" in out and "overwrite=true" in out and "SuperLink" not in out
+    assert "already holds a run" in out and "resume=" in out and "overwrite=true" in out and "SuperLink" not in out
     assert time.monotonic() - t0 < 60
+
+
+def test_running_a_finished_configuration_again_says_where_its_result_is(tmp_path: Path) -> None:
+    """The README's first command, typed twice: the second says the run is done and where its
+    summary is, exit 0, nothing started; `resume=` of the finished folder says the same. A
+    summary of fewer rounds (the same run asked to go on longer) is not "finished"."""
+    run = tmp_path / "fedavg-digits-domains-cnn-s0"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"rounds": 20, "status": "completed", "accuracy_mean": 0.9123,
+                                                  "accuracy_min": 0.8}))
+    for args in ([f"results_root={tmp_path}"], [f"resume={run}"]):
+        code, out = _cli("run", *args)
+        assert code == 0, out
+        assert f"{run} already holds this run, finished (completed): accuracy mean 0.9123 min 0.8000" in out
+        assert f"-> {run / 'summary.json'}; nothing started" in out and "SuperLink" not in out
+    from ops.cli import finished_summary
+    assert finished_summary(run, compose_config({"rounds": "20"})) is not None
+    assert finished_summary(run, compose_config({}, ["rounds=20", "overwrite=true"])) is None
+    (run / "summary.json").write_text(json.dumps({"rounds": 10, "accuracy_mean": 0.5, "accuracy_min": 0.5}))
+    assert finished_summary(run, compose_config({"rounds": "20"})) is None
 
 
 # ---------------------------------------------------------------- lost clients

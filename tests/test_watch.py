@@ -15,7 +15,7 @@ from test_method_contract import Clients, _federate, _records, _run_config
 
 from common.config import compose_config
 from learning.data import load_federated_data
-from ops.progress import RunProgress, progress_wanted, rounds_seen
+from ops.progress import PhaseProgress, RunProgress, progress_wanted, rounds_seen
 from server.app import build_strategy, client_info
 from server.loop import run_federation
 from server.results import RunRecorder
@@ -169,3 +169,20 @@ def test_pflower_run_in_a_terminal_draws_the_bar_below_the_log(tmp_path: Path) -
     assert "[round 2/2]" in text and "2/2" in text and "accuracy mean" in text
     summary = json.loads((tmp_path / "tty" / "summary.json").read_text())
     assert f"worst {summary['accuracy_min']:.4f}" in text
+
+
+def test_a_phase_outside_the_rounds_reports_every_ten_seconds_with_the_time_left() -> None:
+    """Off a terminal, a long phase (FedBasis' new-client fits) prints what it is doing, i of N
+    and the time left at most every 10 s, and always its last step: never silent for minutes."""
+    out, now = io.StringIO(), [0.0]
+    progress = PhaseProgress("personalising new clients", 6, every_s=10.0, enabled=False, stream=out)
+    progress._clock = lambda: now[0]
+    progress._start = progress._last = 0.0
+    for i in range(6):
+        now[0] += 4.0                                   # 4 s a fit
+        progress.step(f"fit {i + 1}")
+    progress.close()
+    assert out.getvalue().splitlines() == [
+        "pflower: personalising new clients: 3/6 (fit 3), about 12 s left",   # 12 s: first line after >= 10 s
+        "pflower: personalising new clients: 6/6 (fit 6)",                    # 24 s: 12 s later, and the end
+    ]
