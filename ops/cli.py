@@ -799,12 +799,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ray-address", default=None, help="as for run")
     s.add_argument("--jobs", type=int, default=1, help=JOBS_HELP)
     s.set_defaults(func=cmd_sweep)
+    from ops.data import add_parser as add_data_parser
     from ops.deployment.deploy import add_parser as add_deploy_parser
     from ops.personalize import add_parser as add_personalize_parser
     from ops.tune import add_parser as add_tune_parser
 
     add_deploy_parser(sub)
     add_personalize_parser(sub)
+    add_data_parser(sub)
     add_tune_parser(sub, run_all, cmd_compare, DEFAULT_MAX_RECOVERIES, JOBS_HELP)
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves

