@@ -3,6 +3,8 @@
     pflower run [KEY=VALUE ...]          # Hydra overrides, e.g. strategy=fedbn seed=1 train.lr=0.01
     pflower compare RUN_DIR [RUN_DIR ...] [--out report.md]
     pflower sweep strategy=fedavg,fedbn seed=0,1,2 [KEY=VALUE ...]
+    pflower tune strategy=fedavg,fedbn --grid train.lr=0.01,0.1 [--seeds 0,1,2]
+    pflower data mnist --root DIR        # fill a dataset root (mnist, fashion-mnist)
     pflower deploy [--mode tls|insecure] experiment=deploy-3 strategy=fedavg,fedbn rounds=2
     pflower personalize RUN_DIR [RUN_DIR ...] [--lr LR ...] [--sizes S=0.5,M=1] [--epochs E]
     pflower personalize --adapt RUN_DIR [...] [--init mean|initial] [--epochs E] [--lr LR] [--on train|test]
@@ -769,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run one simulation", epilog=overrides_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client (a whole number)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per simulated client (a whole number; --cpus is the whole run's share)")
     p.add_argument("--num-gpus", type=float, default=None,
                    help="GPUs per simulated client (e.g. 0.25; default: an even share of the "
                         "machine's GPUs when CUDA is present, 0 without)")
@@ -780,8 +782,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"(default {DEFAULT_MAX_RECOVERIES}; 0 = never)")
     p.add_argument("--ray-address", default=None, help=RAY_ADDRESS_HELP)
     p.add_argument("--cpus", type=int, default=None,
-                   help="CPUs this run's private Ray instance may use (default: all of this machine's; "
-                        "`pflower sweep --jobs N` gives each run cores / N)")
+                   help="CPUs this whole run's private Ray instance may use (default: all of this machine's; "
+                        "`pflower sweep --jobs N` gives each run cores / N); --num-cpus is per client")
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("compare", help="compare run folders in one table and plot")
     c.add_argument("runs", nargs="+")
@@ -791,9 +793,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it",
                        epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="+")
-    s.add_argument("--out", default="")
-    s.add_argument("--plot", default="")
-    s.add_argument("--num-cpus", type=float, default=1.0)
+    s.add_argument("--out", default="", help="write the grid's Markdown table here (as compare --out)")
+    s.add_argument("--plot", default="", help="write the grid's comparison plot here (PNG)")
+    s.add_argument("--num-cpus", type=float, default=1.0,
+                   help="CPUs per simulated client, as for run (not --cpus: a whole run's share)")
     s.add_argument("--num-gpus", type=float, default=None, help="as for run")
     s.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES, help="as for run")
     s.add_argument("--ray-address", default=None, help="as for run")

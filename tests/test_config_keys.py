@@ -80,7 +80,12 @@ def test_a_bad_key_is_refused_at_composition_by_name(override: str, named: str) 
 def test_every_experiment_and_group_composes() -> None:
     for group in ("experiment", "dataset", "model", "strategy"):
         for path in sorted((REPO / "conf" / group).glob("*.yaml")):
-            overrides = [f"{group}={path.stem}", "dataset.root=/data"]
+            overrides = [f"{group}={path.stem}"]
+            try:
+                compose_config({}, overrides)
+            except ConfigError as err:   # a dataset read from disk names its folder; the bundled read none
+                if "needs a data folder" in str(err):
+                    overrides.append("dataset.root=/data")
             try:
                 compose_config({}, overrides)
             except ConfigError as err:   # a setting that starts from ImageNet weights names their file

@@ -425,3 +425,14 @@ def test_adapt_is_a_mode_of_personalize_and_keeps_its_old_name(tmp_path: Path,
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert "pflower personalize --adapt" in err and "has no config.yaml" in err
+
+
+def test_the_help_names_every_command_and_tells_the_two_cpu_options_apart() -> None:
+    code, out = _cli("--help")
+    assert code == 0 and all(f"pflower {c} " in out for c in ("run", "compare", "sweep", "tune", "data", "deploy"))
+    code, out = _cli("sweep", "--help")
+    assert code == 0 and "--out OUT" in out and "Markdown table" in out and "comparison plot" in out
+    assert "CPUs per simulated client" in " ".join(out.split())
+    code, out = _cli("run", "--help")
+    text = " ".join(out.split())
+    assert "--num-cpus is per client" in text and "--cpus is the whole run's share" in text
