@@ -24,10 +24,14 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
 8. :func:`release_messages_of_stopped_runs`: a message whose run stops while the SuperNode
    receives it is dropped, not left as a task whose ClientApp waits for its arrays
    (``flwr/supernode/start_client_internal.py``).
+9. :func:`wait_for_a_store`: the simulation's hand-offs wake when a message is stored, not on
+   0.1 s timers (``flwr/server/superlink/fleet/vce/vce_api.py``: ``add_messages_to_queue``;
+   ``flwr/superlink/grid/inmemory_grid.py``: ``pull_interval``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -83,15 +87,16 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     Flower 1.39's ``HttpGrid`` (the ServerApp's grid in a deployment) sleeps 3 s between
     two pulls, which rounds every exchange up to a multiple of 3 s: a round whose clients
     answer in 7 s waited 9 s for train and again for evaluate. ``InMemoryGrid`` (the
-    simulation) pulls every 0.1 s too, but returns nothing before the last reply: with
-    ``on_reply`` its replies are pulled here as well, so that a strategy can fold each one in
-    and drop its arrays while the others train (``on_reply`` returns what is kept). Test grids
+    simulation) sleeps 0.1 s between pulls and returns nothing before the last reply: its
+    replies are pulled here too, waking as soon as one is stored (item 9), so that a strategy
+    can fold each one in and drop its arrays while the others train (``on_reply`` returns what
+    is kept). Test grids
     that only answer ``send_and_receive`` get ``on_reply`` applied to what they return. Same
     contract: the replies (as ``on_reply`` returns them) that arrived before ``timeout``, in
     arrival order."""
     keep = on_reply if on_reply is not None else (lambda message: message)
-    polled = is_deployment_grid(grid) or (on_reply is not None and hasattr(grid, "push_messages")
-                                          and hasattr(grid, "pull_messages"))
+    deployment = is_deployment_grid(grid)
+    polled = deployment or (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages"))
     if not polled:
         return [keep(m) for m in grid.send_and_receive(messages, timeout=timeout)]
     waiting = set(grid.push_messages(messages))
@@ -99,13 +104,17 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     replies: list[Any] = []
     end = time.monotonic() + timeout
     while waiting:
+        seen = stores_seen()
         arrived = list(grid.pull_messages(waiting))
         waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
         replies.extend(keep(m) for m in arrived)
         del arrived
         if not waiting or time.monotonic() >= end:
             break
-        time.sleep(REPLY_POLL_S)
+        if deployment:
+            time.sleep(REPLY_POLL_S)   # the SuperLink is another process: pull again
+        else:                          # the simulation: wake when a reply is stored (item 9)
+            wait_for_a_store(seen, min(REPLY_POLL_S, max(end - time.monotonic(), 0.0)))
     return replies
 
 
@@ -298,6 +307,38 @@ def run_clientapp_task(argv: list[str], handle: Callable[[Any, Any, Any, Any], t
 _INDEX = "_pflower_undelivered"
 
 
+# Item 9. The ServerApp and the simulation engine share one in-memory LinkState (one process).
+# Flower 1.39 moves messages from it to the workers in a loop that sleeps 0.1 s after each pass
+# over the nodes (vce_api.py: add_messages_to_queue, ``f_stop.wait(0.1)``), and InMemoryGrid
+# pulls replies every 0.1 s: on a 0.3 s round up to 0.2 s was waiting. Every store into the
+# state now notifies one condition; the engine's pass waits on it before its first node when no
+# message is undelivered (so a pushed round starts at once), and the ServerApp's pull waits on
+# it between pulls (so a reply is read as soon as it is stored). Each wait still ends after
+# STORE_WAIT_S, so a missed notification costs what Flower's timer cost before.
+STORE_WAIT_S = 0.1
+_STORED = threading.Condition()
+_stores = 0
+
+
+def _note_a_store() -> None:
+    global _stores
+    with _STORED:
+        _stores += 1
+        _STORED.notify_all()
+
+
+def stores_seen() -> int:
+    """How many messages this process's in-memory LinkState has stored (a count to wait past)."""
+    return _stores
+
+
+def wait_for_a_store(seen: int, timeout: float | None = None) -> bool:
+    """Block until a message is stored after ``seen`` (:func:`stores_seen`), or ``timeout`` s
+    (``STORE_WAIT_S`` by default); True if one was."""
+    with _STORED:
+        return _STORED.wait_for(lambda: _stores != seen, STORE_WAIT_S if timeout is None else timeout)
+
+
 def _undelivered_index(state: Any) -> dict[int, list[str]]:
     """The state's node -> message ids index (built from its store on first use)."""
     index = state.__dict__.get(_INDEX)
@@ -322,10 +363,11 @@ def index_undelivered_messages() -> bool:
         return False
     if getattr(InMemoryLinkState.get_message_ins, "_pflower", False):
         return True
-    if not all(hasattr(InMemoryLinkState, name) for name in ("store_message_ins", "_check_stored_messages")):
+    if not all(hasattr(InMemoryLinkState, name)
+               for name in ("store_message_ins", "store_message_res", "_check_stored_messages")):
         log(WARNING, "pflower: this Flower's in-memory LinkState changed; keeping its message lookup")
         return False
-    store = InMemoryLinkState.store_message_ins
+    store, store_res = InMemoryLinkState.store_message_ins, InMemoryLinkState.store_message_res
 
     def store_message_ins(self: Any, message: Any) -> Any:
         msg_id = store(self, message)
@@ -335,11 +377,25 @@ def index_undelivered_messages() -> bool:
                 ids = index.setdefault(message.metadata.dst_node_id, [])
                 if str(msg_id) not in ids:
                     ids.append(str(msg_id))
+            _note_a_store()
+        return msg_id
+
+    def store_message_res(self: Any, message: Any) -> Any:
+        msg_id = store_res(self, message)
+        _note_a_store()
         return msg_id
 
     def get_message_ins(self: Any, node_id: int, limit: int | None, *, run_id: int | None = None) -> list[Any]:
         if limit is not None and limit < 1:
             raise AssertionError("`limit` must be >= 1")
+        # the engine's pass over the nodes starts with the same node every time: there, with
+        # nothing undelivered, wait for the next store instead of Flower's 0.1 s sleep (item 9)
+        if self.__dict__.setdefault("_pflower_first_node", node_id) == node_id:
+            seen = stores_seen()
+            with self.lock:
+                pending = any(_undelivered_index(self).values())
+            if not pending:
+                wait_for_a_store(seen)
         found: list[Any] = []
         with self.lock:
             ids = _undelivered_index(self).get(node_id, [])
@@ -364,6 +420,7 @@ def index_undelivered_messages() -> bool:
 
     get_message_ins._pflower = True   # type: ignore[attr-defined]
     InMemoryLinkState.store_message_ins = store_message_ins   # type: ignore[method-assign]
+    InMemoryLinkState.store_message_res = store_message_res   # type: ignore[method-assign]
     InMemoryLinkState.get_message_ins = get_message_ins   # type: ignore[method-assign]
     return True
 

@@ -84,6 +84,47 @@ def test_the_indexed_message_lookup_answers_as_flowers_scan() -> None:
         lookup(state, 7, limit=0)
 
 
+
+def test_the_simulations_hand_off_wakes_when_a_message_is_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 9: with nothing undelivered, the engine's lookup at the first node of its pass waits
+    for the next store (Flower's own returns at once and sleeps 0.1 s), and returns the message
+    stored meanwhile; a store at a pass's other nodes, or with messages pending, waits for nothing."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    assert flower_compat.index_undelivered_messages()
+    monkeypatch.setattr(flower_compat, "STORE_WAIT_S", 30.0)   # a missed wake-up would show as 30 s
+
+    class State:
+        def __init__(self) -> None:
+            self.lock, self.message_ins_store = threading.RLock(), {}
+
+        def _check_stored_messages(self, ids: set[str]) -> None:
+            pass
+
+    state, message = State(), SimpleNamespace(metadata=SimpleNamespace(dst_node_id=3, run_id=1, delivered_at=""))
+
+    def store_later() -> None:
+        time.sleep(0.2)
+        with state.lock:
+            state.message_ins_store["m"] = message
+            flower_compat._undelivered_index(state).setdefault(3, []).append("m")
+        flower_compat._note_a_store()
+
+    lookup = InMemoryLinkState.get_message_ins
+    threading.Thread(target=store_later).start()
+    t0 = time.monotonic()
+    found = lookup(state, 3, limit=1)          # the first node queried: the pass's first
+    assert found == [message] and time.monotonic() - t0 < 20 and state._pflower_first_node == 3
+    t0 = time.monotonic()
+    assert lookup(state, 4, limit=1) == [] and time.monotonic() - t0 < 20   # not the pass's first node
+    seen = flower_compat.stores_seen()
+    threading.Timer(0.2, flower_compat._note_a_store).start()
+    assert flower_compat.wait_for_a_store(seen) and flower_compat.stores_seen() == seen + 1
+
 def _receive_a_message_of_a_run_that_stops(loop: object) -> tuple[int, list[str]]:
     """Flower's SuperNode step ``_pull_and_store_message`` on a real in-memory NodeState, for
     a message of a run the SuperLink stops while its arrays are pulled: (messages left in
@@ -191,3 +232,25 @@ def test_a_reply_after_the_round_timeout_is_refused_not_kept(monkeypatch: pytest
         return
     assert stored is None and not state.message_res_store           # refused, nothing kept
     assert state.get_message_ins(node_id=node, limit=None) == []     # the other one: never delivered
+
+
+def test_the_app_bundle_holds_the_packages_and_conf_only(tmp_path: Path) -> None:
+    """`flwr run` packages the project folder. A results folder that .gitignore does not list
+    (results_root=results_gpu) used to travel too, and a parallel run renaming its client state
+    failed the packaging ("No such file ... state-r1.json"): pyproject's fab-include keeps the
+    bundle to the packages and conf/."""
+    import io
+    import shutil
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "pyproject.toml", tmp_path / "pyproject.toml")
+    code = [f"{package}/app.py" for package in ("client", "common", "learning", "ops", "server", "strategies")]
+    for path in (*code, "conf/config.yaml", "results_gpu/run/client_state/0/state-r1.json",
+                 "results_gpu/run/summary.json", "docs/results.md", "tests/test_x.py", "bench/x.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}" if path.endswith(".json") else "# x\n")
+    names = zipfile.ZipFile(io.BytesIO(build_fab_from_disk(tmp_path))).namelist()
+    assert sorted(n for n in names if not n.startswith(".info")) == sorted([*code, "conf/config.yaml", "pyproject.toml"])
