@@ -67,8 +67,9 @@ def check_flower_version(installed: str | None = None) -> None:
 # ---------------------------------------------------------------------- 1. the server's grid
 try:
     from flwr.superlink.grid.http_grid import HttpGrid
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 except ImportError:  # pragma: no cover - another Flower release; check_flower_version says so
-    HttpGrid = None  # type: ignore[assignment,misc]
+    HttpGrid = InMemoryGrid = None  # type: ignore[assignment,misc]
 
 REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLink
 
@@ -96,7 +97,9 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     arrival order."""
     keep = on_reply if on_reply is not None else (lambda message: message)
     deployment = is_deployment_grid(grid)
-    polled = deployment or (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages"))
+    simulation = InMemoryGrid is not None and isinstance(grid, InMemoryGrid)
+    polled = deployment or simulation or (on_reply is not None and hasattr(grid, "push_messages")
+                                          and hasattr(grid, "pull_messages"))
     if not polled:
         return [keep(m) for m in grid.send_and_receive(messages, timeout=timeout)]
     waiting = set(grid.push_messages(messages))
