@@ -32,8 +32,6 @@ def run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize(("override", "message"), [
     ("rounds=-1", "rounds must be >= 1, got -1"),
-    ("dataset.root=/my/images", "dataset.root='/my/images' is not read by dataset 'digits-domains': its data "
-                               "(digits) come with the packages; for your own image tree use dataset=imagefolder"),
     ("rounds=0", "rounds must be >= 1, got 0"),
     ("rounds=abc", "rounds must be an integer, got 'abc'"),
     ("fraction_train=0", "fraction_train must be in (0, 1], got 0.0"),
