@@ -37,11 +37,9 @@ from learning.models import resolve_device, set_deterministic
 
 
 def client_config(context: Context) -> DictConfig:
-    overrides = []
-    root = context.node_config.get("data-root")
-    if root:
-        overrides.append(f"dataset.root={root}")
-    return compose_config(dict(context.run_config), overrides)
+    """The run's configuration on this node: the node's ``data-root`` (if any) is where a
+    dataset read from files lies here."""
+    return compose_config(dict(context.run_config), node_root=str(context.node_config.get("data-root") or ""))
 
 
 def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: str) -> Path:

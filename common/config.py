@@ -95,14 +95,18 @@ def _check_group_choices(overrides: list[str]) -> None:
 
 
 def compose_config(run_config: Mapping[str, Any] | None = None,
-                   overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``conf/config.yaml`` with run-config entries and extra Hydra overrides."""
+                   overrides: list[str] | None = None, node_root: str = "") -> DictConfig:
+    """Compose ``conf/config.yaml`` with run-config entries and extra Hydra overrides.
+
+    ``node_root`` is a SuperNode's own data folder (``--node-config data-root=...``): it is the
+    ``dataset.root`` of a dataset read from files, and not used by one that comes with the
+    packages (a ``dataset.root`` the user sets on such a dataset is refused instead)."""
     all_overrides = run_config_to_overrides(run_config or {}) + list(overrides or [])
-    return _compose_cached(json.dumps(all_overrides))
+    return _compose_cached(json.dumps(all_overrides), node_root)
 
 
 @functools.lru_cache(maxsize=16)
-def _compose_cached(overrides_json: str) -> DictConfig:
+def _compose_cached(overrides_json: str, node_root: str = "") -> DictConfig:
     overrides = json.loads(overrides_json)
     _check_group_choices(overrides)
     # the group choices alone say which strategy runs and what the experiment adds for it; the
@@ -117,6 +121,11 @@ def _compose_cached(overrides_json: str) -> DictConfig:
     if needs and str(cfg.model.name) not in needs and not user_chose_model:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
         cfg = _hydra_compose([*overrides, f"model={needs[0]}"])
+    if node_root:
+        from learning.data import BUNDLED_SOURCES
+
+        if str(cfg.dataset.source) not in BUNDLED_SOURCES:
+            cfg.dataset.root = node_root
     if cfg.dataset.get("synthetic"):
         use_synthetic(cfg)
     validate_config(cfg)

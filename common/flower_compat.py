@@ -27,10 +27,17 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
 9. :func:`wait_for_a_store`: the simulation's hand-offs wake when a message is stored, not on
    0.1 s timers (``flwr/server/superlink/fleet/vce/vce_api.py``: ``add_messages_to_queue``;
    ``flwr/superlink/grid/inmemory_grid.py``: ``pull_interval``).
+10. :func:`log_refusals_as_one_line`: a run the ServerApp refuses (bad input, a run folder that
+    holds another run) is logged as one line, not with Flower's traceback
+    (``flwr/simulation/app.py``, ``flwr/superlink/runtime/run_serverapp.py``: ``log(ERROR, "%s
+    raised an exception", ..., exc_info=ex)``).
+11. :func:`is_inapplicable_notice`: the simulation's notices about the federation size, which
+    ``pflower run`` sets itself, are left out of its output (``flwr/simulation/app.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -476,3 +483,49 @@ def release_messages_of_stopped_runs(loop: Any) -> bool:
     pull_objects.releases_stopped_runs = True   # type: ignore[attr-defined]
     loop.pull_objects = pull_objects
     return True
+
+
+# ---------------------------------------------------------------------- 10. refusals in one line
+class _OneLineRefusals(logging.Filter):
+    """Rewrites Flower's record of an exception of ``kinds`` as the exception's own message,
+    without the traceback (which says nothing a refusal's message does not)."""
+
+    def __init__(self, kinds: tuple[type[BaseException], ...]) -> None:
+        super().__init__("pflower-refusals")
+        self.kinds = kinds
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.kinds):
+            record.msg, record.args = "%s", (str(exc),)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_refusals_as_one_line(*kinds: type[BaseException]) -> None:
+    """Flower ends a ServerApp that raised by logging ``"ServerApp raised an exception"`` (or
+    ``"Simulation ..."``) with the traceback, and marks the run failed with the exception's
+    message as its details (``flwr ls``). For pflower's refusals (a mistyped key, a run folder
+    that holds another run) the log line becomes the message itself; the run still fails."""
+    from flwr.common.logger import FLOWER_LOGGER
+
+    for old in [f for f in FLOWER_LOGGER.filters if isinstance(f, _OneLineRefusals)]:
+        FLOWER_LOGGER.removeFilter(old)
+    FLOWER_LOGGER.addFilter(_OneLineRefusals(tuple(kinds)))
+
+
+# ---------------------------------------------------------------------- 11. notices that do not apply
+# Printed by every simulation (flwr/simulation/app.py) for a federation of Flower's default
+# size; ``pflower run`` gives the simulation one SuperNode per client itself. They are printed
+# before any pflower code runs in that process, so they are left out where ``pflower run``
+# reads the log stream (and kept in the run folder's full log).
+INAPPLICABLE_NOTICES = (
+    "Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.",
+    "To change federation size, use the following command:",
+    "flwr federation simulation-config ",
+)
+
+
+def is_inapplicable_notice(line: str) -> bool:
+    """Whether a line of the simulation's log is one of :data:`INAPPLICABLE_NOTICES`."""
+    return any(notice in line for notice in INAPPLICABLE_NOTICES)

@@ -523,6 +523,10 @@ class DatasetConfig:
         check(self.input_range == "symmetric" or self.source != "imagefolder",
               "dataset.input_range=unit applies to array sources (digits, MNIST, CIFAR, ...); image folders "
               "are normalised by dataset.preprocess; use dataset.input_range=symmetric", DatasetError)
+        check(not self.root or self.source not in BUNDLED_SOURCES,
+              f"dataset.root={self.root!r} is not read by dataset {self.name!r}: its data ({self.source}) come "
+              "with the packages; for your own image tree use dataset=imagefolder dataset.root=...",
+              DatasetError)
         check(self.preprocess == "plain" or self.source == "imagefolder",
               f"dataset.preprocess={self.preprocess} applies to image folders (dataset.source=imagefolder), "
               f"got source {self.source!r}; use dataset.preprocess=plain", DatasetError)
@@ -614,6 +618,7 @@ def _array_pools(load: Callable[[DatasetConfig], tuple[torch.Tensor, np.ndarray]
     return pools
 
 
+BUNDLED_SOURCES = ("digits", "mnist5k", "digit-sources")   # read no dataset.root
 SOURCES: dict[str, Callable[[DatasetConfig, list[str], int], Pools]] = {
     "digits": _array_pools(lambda cfg: _load_digits(), 10),
     "mnist5k": _array_pools(lambda cfg: _load_mnist5k(), 10),

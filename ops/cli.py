@@ -138,19 +138,6 @@ class RunFinished(Exception):
     """The configuration's folder already holds its finished run: nothing to start."""
 
 
-def finished_summary(run_dir: Path, cfg: DictConfig) -> dict | None:
-    """The summary of the finished run of ``cfg`` in ``run_dir`` (all its rounds, not marked
-    FAILED), or None. ``overwrite=true`` never finds one: it runs again."""
-    summary = run_dir / "summary.json"
-    if cfg.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
-        return None
-    try:
-        s = json.loads(summary.read_text())
-    except (OSError, ValueError):
-        return None
-    return s if isinstance(s, dict) and int(s.get("rounds", cfg.rounds)) == int(cfg.rounds) else None
-
-
 def say_finished(run_dir: Path) -> int:
     """A command whose run is already done says where its result is and starts nothing (exit 0)."""
     s = json.loads((run_dir / "summary.json").read_text())
@@ -170,7 +157,7 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     from learning.data import image_tree_problems
     from learning.data_cache import fill_cache, resolve_cache_dir
     from ops.recovery import expand_resume
-    from server.results import RunFolderError, check_run_folder, lock_is_held
+    from server.results import RunFolderError, check_run_folder, finished_summary, lock_is_held
 
     run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
@@ -244,32 +231,36 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
     """Submit the run once on a private SuperLink; on any failure keep what explains it (the
     SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
     from ops.deployment.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
-    from ops.progress import run_progress
+    from ops.progress import RUN_LOG, RunOutput, run_progress
     from ops.recovery import death_reason, keep_evidence
 
     run_dir = Path(cfg.results_root) / cfg.run_name
     started = time.time()
-    with simulation_superlink(keep_in=keep) as (link, flwr_home):
-        print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
-        write_pid_file(run_dir, link)
-        watch = SimulationWatch(link)
-        with run_progress(run_dir, int(cfg.rounds), f"{cfg.strategy.name} {cfg.run_name}") as bar:
-            code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,
-                            on_line=None if bar is None else bar.print)
-        if code != 0 and not watch.reason:
-            follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds), alive=watch)
-        if fresh(run_dir / "summary.json", started):
-            return Attempt(code)
-        # any failure keeps the processes' own output with the run
-        info = run_info(flwr_home) if link.proc is not None and link.proc.poll() is None else None
-        log_text = run_log(flwr_home, str(info["run-id"])) if info and "run-id" in info else ""
-        evidence = None
-        with contextlib.suppress(OSError):
-            evidence = keep_evidence(link.workdir, run_dir, attempt, info, log_text)
-        if fresh(run_dir / "FAILED", started):   # the ServerApp said why
-            return Attempt(code, evidence=evidence)
-        reason = death_reason(code, info, _read(link.workdir / "superlink.log") + log_text, watch.reason)
-        return Attempt(code, died=reason, evidence=evidence)
+    try:
+        with simulation_superlink(keep_in=keep) as (link, flwr_home):
+            print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
+            write_pid_file(run_dir, link)
+            watch = SimulationWatch(link)
+            with run_progress(run_dir, int(cfg.rounds), f"{cfg.strategy.name} {cfg.run_name}") as bar, \
+                    RunOutput(run_dir / RUN_LOG, bar, append=attempt > 1 or bool(cfg.resume)) as output:
+                code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,
+                                on_line=output)
+            if code != 0 and not watch.reason:
+                follow_after_stream_loss(code, flwr_home, run_dir, int(cfg.rounds), alive=watch)
+            if fresh(run_dir / "summary.json", started):
+                return Attempt(code)
+            # any failure keeps the processes' own output with the run
+            info = run_info(flwr_home) if link.proc is not None and link.proc.poll() is None else None
+            log_text = run_log(flwr_home, str(info["run-id"])) if info and "run-id" in info else ""
+            evidence = None
+            with contextlib.suppress(OSError):
+                evidence = keep_evidence(link.workdir, run_dir, attempt, info, log_text)
+            if fresh(run_dir / "FAILED", started):   # the ServerApp said why
+                return Attempt(code, evidence=evidence)
+            reason = death_reason(code, info, _read(link.workdir / "superlink.log") + log_text, watch.reason)
+            return Attempt(code, died=reason, evidence=evidence)
+    finally:   # the SuperLink and its processes are stopped: the folder keeps results only
+        (run_dir / PID_FILE).unlink(missing_ok=True)
 
 
 def _read(path: Path) -> str:
@@ -367,7 +358,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print("pflower: interrupted; all Flower processes were stopped", file=sys.stderr)
+        print(f"pflower: interrupted; all Flower processes were stopped\npflower: {go_on_hint(run_dir)}",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     code = attempt.code
     failed = run_dir / "FAILED"
@@ -378,7 +370,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return report_failure(run_dir, failed.read_text().strip())
     if not summary.exists() or summary.stat().st_mtime < started:
         return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
-                                       f"{summary}); see the log above")
+                                       f"{summary}); its log: {run_dir / 'run.log'}")
     if str(cfg.strategy.name) == "fedbasis" and int(cfg.dataset.new_clients_per_domain) > 0 \
             and not cfg.personalize.after_run:
         print(f"pflower: the new clients are not personalised (personalize.after_run=false); "
@@ -427,13 +419,19 @@ def report_done(s: dict, summary: Path) -> int:
     return 0
 
 
+def go_on_hint(run_dir: Path) -> str:
+    """How to go on with a run that stopped before its end (failed or interrupted)."""
+    from server.checkpoint import CHECKPOINT
+
+    return (f"resume with: pflower run resume={run_dir}" if (run_dir / CHECKPOINT).exists()
+            else "no checkpoint was written; run again (with overwrite=true to replace this folder)")
+
+
 def report_failure(run_dir: Path, reason: str) -> int:
     """Leave ``FAILED`` (the reason and how to go on) in the run folder, and say it."""
     from learning.storage import atomic_write_text
-    from server.checkpoint import CHECKPOINT
 
-    hint = (f"resume with: pflower run resume={run_dir}" if (run_dir / CHECKPOINT).exists()
-            else "no checkpoint was written; run again (with overwrite=true to replace this folder)")
+    hint = go_on_hint(run_dir)
     if run_dir.is_dir():
         atomic_write_text(run_dir / "FAILED", f"{reason}\n{hint}\n")
     print(f"pflower: run failed: {reason}\npflower: {hint}", file=sys.stderr)
@@ -558,6 +556,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def run_folder(combo: list[str]) -> tuple[Path, bool]:
     """The folder a configuration runs into, and whether a finished run is there to reuse
     (``overwrite=true`` never reuses; a run marked FAILED is run again)."""
+    from server.results import finished_summary
+
     run_cfg, rest = split_overrides(combo)
     root = Path(run_cfg.get("results-root", "results")).resolve()
     cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)

@@ -106,6 +106,11 @@ def matching_local(run: Mapping[str, Any], local_runs: list[dict[str, Any]]) -> 
     return same[0] if same else None
 
 
+RELATIVE_LEGEND = ("R-Acc: mean over clients of (acc - acc of that client's Local run) / acc of its "
+                   "Local run, so 0 = as good as training alone; PTR: share of clients whose accuracy beats "
+                   "their Local run's (FEDORA, KDD 2023; the Local run of the same seed).")
+
+
 def _fmt(values: list[float]) -> str:
     if not values:
         return "-"
@@ -157,6 +162,9 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
         lines.append("| " + " | ".join(cells) + " |")
         accs = [r["accuracy_mean"] for r in members]
         rows_for_plot.append((f"{strategy}\n{dataset}", float(np.mean(accs)), float(np.std(accs))))
+    if show_rel:
+        lines += ["", RELATIVE_LEGEND + (" The `@ best val` columns take each run at its best-validation "
+                                         "round." if show_best_rel else "")]
     text = "\n".join(lines)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

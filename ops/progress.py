@@ -10,6 +10,7 @@ file or CI the output is the plain log as before.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+RUN_LOG = "run.log"   # a run's whole log stream, in its folder (pflower run)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*")
+_ROUND_LINE = re.compile(r"^\[round \d+/\d+\] ")
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,51 @@ def run_progress(run_dir: Path, rounds: int, label: str, enabled: bool | None = 
         return
     with RunProgress(run_dir, rounds, label) as bar:
         yield bar
+
+
+def shown_off_terminal(message: str, level: str) -> bool:
+    """Off a terminal ``pflower run`` shows one line per round (``server/loop.py: round_line``),
+    warnings and errors; the rest of the stream is in the run folder's log."""
+    return level in ("WARNING", "ERROR", "CRITICAL") or bool(_ROUND_LINE.match(message))
+
+
+class RunOutput:
+    """Where the lines of a run's log stream go: every line to the run folder's log
+    (``run.log``, colours removed), and to the screen either above the progress bar (a
+    terminal) or, off a terminal, only :func:`shown_off_terminal`'s lines. Flower's notices
+    that do not apply to ``pflower run`` (``common/flower_compat.py``, item 11) are not shown."""
+
+    def __init__(self, log_path: Path, bar: RunProgress | None = None, stream: IO[str] | None = None,
+                 append: bool = False) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = log_path.open("a" if append else "w", encoding="utf-8", errors="replace")
+        self.bar, self.stream = bar, stream or sys.stdout
+
+    def __call__(self, line: str) -> None:
+        from common.flower_compat import is_inapplicable_notice
+
+        text = _ANSI.sub("", line.rstrip("\n"))
+        self._log.write(text + "\n")
+        self._log.flush()
+        if is_inapplicable_notice(text):
+            return
+        if self.bar is not None:
+            self.bar.print(line)
+            return
+        level = _LEVEL.match(text)
+        message = text[level.end():] if level else text
+        if shown_off_terminal(message, level.group(1) if level else ""):
+            print(message if level and level.group(1) == "INFO" else text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._log.close()
+
+    def __enter__(self) -> RunOutput:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class PhaseProgress:

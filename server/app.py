@@ -9,21 +9,33 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.config import compose_config, run_config_to_overrides
+from common.config import ConfigError, compose_config, run_config_to_overrides
 from common.flower_compat import (
     check_flower_version,
     index_undelivered_messages,
+    log_refusals_as_one_line,
     shorten_object_pull_backoff,
 )
 from common.methods import build_method_model, strategy_class
-from learning.data import FederatedData
+from learning.data import DatasetError, FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
 from server.loop import run_federation
-from server.results import RunRecorder
+from server.results import (
+    RunFolderError,
+    RunRecorder,
+    finished_summary,
+    run_config_hint,
+    run_dir_of,
+)
 from strategies.base import PersonalizedStrategy, RunSettings
 
 app = ServerApp()
+
+
+class RunRefused(RuntimeError):
+    """A run the ServerApp does not start (its folder holds another run): the run fails on
+    the SuperLink with this message, logged as one line."""
 
 
 def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> PersonalizedStrategy:
@@ -39,16 +51,38 @@ def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object
     return {cid: {"num_train": c.num_train, "domain": c.domain} for cid, c in data.clients.items()}
 
 
+def say_finished(cfg: DictConfig) -> bool:
+    """The reuse rule of ``pflower run`` for a run submitted with ``flwr run``: a folder that
+    holds this configuration's finished run is reported (one line, in ``--run-config``
+    syntax) and nothing is run; True then."""
+    run_dir = run_dir_of(cfg)
+    s = finished_summary(run_dir, cfg)
+    if s is None:
+        return False
+    result = (f": accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f}"
+              if {"accuracy_mean", "accuracy_min"} <= s.keys() else "")
+    log(INFO, "pflower: %s already holds this run, finished%s -> %s; nothing run (--run-config "
+        "\"overrides='overwrite=true'\" runs it again, --run-config \"run-name='<new name>'\" keeps both)",
+        run_dir, result, run_dir / "summary.json")
+    return True
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     check_flower_version()
     shorten_object_pull_backoff()   # replies' arrays: see common/flower_compat.py
     index_undelivered_messages()    # the simulation's message lookup, linear in the clients (item 7)
+    log_refusals_as_one_line(RunRefused, ConfigError, DatasetError)
     cfg = compose_config(dict(context.run_config))
+    if not cfg.resume and say_finished(cfg):
+        return
     # the summary from the data cache (no split is loaded on the server); built if not cached
     data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
-    recorder = RunRecorder(cfg, resume=bool(cfg.resume),
-                           overrides=run_config_to_overrides(dict(context.run_config)))
+    try:
+        recorder = RunRecorder(cfg, resume=bool(cfg.resume),
+                               overrides=run_config_to_overrides(dict(context.run_config)))
+    except RunFolderError as err:   # `pflower run` refuses this before Flower starts; `flwr run .` here
+        raise RunRefused(f"pflower: {run_config_hint(err) if err.run_dir else err}") from None
     log(INFO, "pflower: strategy=%s dataset=%s (%d clients) model=%s rounds=%d -> %s",
         cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)
     try:

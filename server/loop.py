@@ -65,6 +65,7 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
     # resume-round tells clients which of their saved state versions are valid
     base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds, "resume-round": start - 1}
     fused = FusedEvaluation(bool(cfg.eval_in_train) and strategy.fuses_evaluation, cfg)
+    latest: tuple[int, dict[str, Any]] | None = None   # the last evaluation known: (round, summary)
     if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
         fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
     for rnd in range(start, rounds + 1):
@@ -78,7 +79,9 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         del messages
         pending = fused.take()
         if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
-            recorder.attach_evaluation(pending, _evaluate(strategy, grid, cfg, base_config, pending, replies))
+            carried = _evaluate(strategy, grid, cfg, base_config, pending, replies)
+            recorder.attach_evaluation(pending, carried)
+            latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
         result = strategy.aggregate_round(rnd, receiver)
         comm = result.log
         record: dict[str, Any] = {
@@ -93,17 +96,31 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
             record.update(_evaluate(strategy, grid, cfg, base_config, rnd))
         record.update(strategy.round_extras(rnd))
         recorder.log_round(record)
-        ev = record.get("evaluate", {})
-        log(INFO, "[round %d/%d] %.1fs | %d/%d clients trained | accuracy mean %s min %s",
-            rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
-            f"{ev['accuracy_mean']:.4f}" if ev else "(next round)" if fused.pending is not None else "-",
-            f"{ev['accuracy_min']:.4f}" if ev else "-")
+        if record.get("evaluate"):
+            latest = (rnd, record["evaluate"])
+        log(INFO, "%s", round_line(rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
+                                   latest, fused.pending))
         if int(cfg.checkpoint_every) > 0 and (rnd % int(cfg.checkpoint_every) == 0 or rnd == rounds):
             rng_arrays, rng_meta = rng_state_groups()
             groups, meta = strategy.state()
             save_checkpoint(recorder.dir, rnd, {**groups, "_rng": rng_arrays},
                             {**identity, "strategy_state": meta, "rng_state": rng_meta})
     return rounds
+
+
+def round_line(rnd: int, rounds: int, seconds: float, trained: int, sampled: int,
+               latest: tuple[int, dict[str, Any]] | None, pending: int | None) -> str:
+    """The one line a round leaves in the log (the only one ``pflower run`` shows off a
+    terminal): its time, how many clients trained, and the last accuracy known, naming its
+    round (with ``eval_in_train`` a round's evaluation arrives with the next round's training)."""
+    line = f"[round {rnd}/{rounds}] {seconds:.1f} s, {trained}/{sampled} clients trained; "
+    if latest is not None:
+        known, ev = latest
+        return line + (f"accuracy{'' if known == rnd else f' of round {known}'}: mean "
+                       f"{ev['accuracy_mean']:.4f}, worst client {ev['accuracy_min']:.4f}")
+    if pending == rnd:
+        return line + f"accuracy: round {rnd}'s comes with round {rnd + 1}'s training"
+    return line + "accuracy: not measured yet"
 
 
 class FusedEvaluation:

@@ -52,6 +52,10 @@ def run_dir_of(cfg: DictConfig) -> Path:
 class RunFolderError(RuntimeError):
     """The run folder holds another run, or another process is writing it."""
 
+    def __init__(self, message: str, run_dir: Path | None = None, found: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.run_dir, self.found = run_dir, list(found or [])
+
 
 def existing_run_files(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.glob("*") if p.name in RUN_FILES
@@ -60,7 +64,8 @@ def existing_run_files(run_dir: Path) -> list[str]:
 
 def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to write a run into a folder that holds another run's results, unless the run
-    resumes it (``resume=<folder>``) or replaces it (``overwrite=true``)."""
+    resumes it (``resume=<folder>``) or replaces it (``overwrite=true``). The message is in
+    ``pflower`` syntax; :func:`run_config_hint` says the same in ``flwr run`` syntax."""
     if resume or overwrite or not run_dir.is_dir():
         return
     found = existing_run_files(run_dir)
@@ -68,7 +73,30 @@ def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
         raise RunFolderError(
             f"{run_dir} already holds a run ({', '.join(found[:4])}); resume it with "
             f"resume={run_dir}, write elsewhere with run_name=<new name>, or replace it with "
-            "overwrite=true")
+            "overwrite=true", run_dir, found)
+
+
+def run_config_hint(err: RunFolderError) -> str:
+    """The refusal of :func:`check_run_folder` in ``flwr run --run-config`` syntax, one line,
+    for a run submitted with Flower's CLI (``flwr run .``)."""
+    run_dir = err.run_dir or Path(".")
+    return (f"{run_dir} already holds a run ({', '.join(err.found[:4])}); write elsewhere with "
+            f"--run-config \"run-name='<new name>'\", resume it with --run-config "
+            f"\"overrides='resume={run_dir}'\", or replace it with --run-config \"overrides='overwrite=true'\"")
+
+
+def finished_summary(run_dir: Path, cfg: DictConfig) -> dict[str, Any] | None:
+    """The summary of the finished run of ``cfg`` in ``run_dir`` (all its rounds, not marked
+    FAILED), or None. ``overwrite=true`` never finds one: it runs again. ``pflower run``,
+    ``sweep`` and the ServerApp under ``flwr run`` reuse such a run instead of refusing it."""
+    summary = run_dir / SUMMARY_FILE
+    if cfg.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
+        return None
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return None
+    return s if isinstance(s, dict) and int(s.get("rounds", cfg.rounds)) == int(cfg.rounds) else None
 
 
 class RunFolderLock:
@@ -92,8 +120,12 @@ class RunFolderLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; ``remove`` also deletes the file, while the lock is still held (so no
+        other process holds a lock on the deleted file)."""
         if self._fd is not None:
+            if remove:
+                self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
                 os.close(self._fd)
@@ -148,10 +180,12 @@ class RunRecorder:
             TensorBoardLog.preload()
 
     def close(self) -> None:
-        """Release the run folder's lock (the run is over, finished or failed)."""
+        """Release the run folder's lock (the run is over, finished or failed), and remove its
+        file: a finished folder holds results only. A run that starts meanwhile (it would find
+        the results and stop) creates a fresh lock file."""
         if self.tensorboard is not None:
             self.tensorboard.close()
-        self.lock.release()
+        self.lock.release(remove=True)
 
     def _events(self, first_round: int) -> TensorBoardLog | None:
         """The run's TensorBoard log (``tensorboard=true``); events a cut-short attempt wrote

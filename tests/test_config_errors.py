@@ -32,6 +32,8 @@ def run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize(("override", "message"), [
     ("rounds=-1", "rounds must be >= 1, got -1"),
+    ("dataset.root=/my/images", "dataset.root='/my/images' is not read by dataset 'digits-domains': its data "
+                               "(digits) come with the packages; for your own image tree use dataset=imagefolder"),
     ("rounds=0", "rounds must be >= 1, got 0"),
     ("rounds=abc", "rounds must be an integer, got 'abc'"),
     ("fraction_train=0", "fraction_train must be in (0, 1], got 0.0"),
@@ -176,3 +178,20 @@ def test_strategy_that_needs_its_own_model_gets_it_or_a_clear_error():
     assert compose_config({"strategy": "fdse", "model": "fdse-resnet18"}).model.name == "fdse-resnet18"
     with pytest.raises(ConfigError, match="strategy 'fdse' needs model fdse-alexnet or fdse-resnet18"):
         compose_config({"strategy": "fdse", "model": "cnn"})
+
+
+def test_a_nodes_data_root_is_the_root_of_datasets_read_from_files_only() -> None:
+    """A SuperNode's ``data-root`` (the Docker demo gives every node /data) is where a dataset
+    read from files lies on that node; a dataset that comes with the packages ignores it,
+    while a ``dataset.root`` the user sets on such a dataset is refused (test above)."""
+    from types import SimpleNamespace
+
+    from client.handlers import client_config
+
+    def on_node(run_config: dict[str, str]) -> str:
+        context = SimpleNamespace(run_config=run_config, node_config={"data-root": "/data"})
+        return str(client_config(context).dataset.root)   # type: ignore[arg-type]
+
+    assert on_node({}) == "" and on_node({"dataset": "mnist5k-rotated"}) == ""
+    assert on_node({"dataset": "mnist"}) == "/data" and on_node({"dataset": "fashion-mnist"}) == "/data"
+    assert compose_config({"dataset": "mnist"}, ["dataset.root=/mine"], node_root="/data").dataset.root == "/data"

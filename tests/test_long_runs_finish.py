@@ -163,7 +163,7 @@ def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -
 
 
 def test_process_helpers_need_no_ps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slim container images have no ``ps``: liveness and the process tree come from /proc."""
+    """Slim container images have no ``ps``: liveness and the process tree come from psutil."""
     from ops.deployment.launch import pid_alive
 
     monkeypatch.setenv("PATH", str(tmp_path))   # no ps (nor anything else) on PATH

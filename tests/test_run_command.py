@@ -113,7 +113,7 @@ def test_running_a_finished_configuration_again_says_where_its_result_is(tmp_pat
         assert code == 0, out
         assert f"{run} already holds this run, finished (completed): accuracy mean 0.9123 min 0.8000" in out
         assert f"-> {run / 'summary.json'}; nothing started" in out and "SuperLink" not in out
-    from ops.cli import finished_summary
+    from server.results import finished_summary
     assert finished_summary(run, compose_config({"rounds": "20"})) is not None
     assert finished_summary(run, compose_config({}, ["rounds=20", "overwrite=true"])) is None
     (run / "summary.json").write_text(json.dumps({"rounds": 10, "accuracy_mean": 0.5, "accuracy_min": 0.5}))
@@ -318,6 +318,10 @@ def test_compare_measures_r_acc_against_local_with_another_model(tmp_path: Path)
     row = next(line for line in table.splitlines() if line.startswith("| fdse"))
     # R-Acc = mean((0.6-0.5)/0.5, (0.6-0.8)/0.8) = mean(0.2, -0.25) = -0.025; PTR = 1/2
     assert row.split("|")[-3].strip() == "-0.0250" and row.split("|")[-2].strip() == "0.5000"
+    # the columns are explained under the table (a sweep prints this table)
+    assert table.splitlines()[-1].startswith("R-Acc: mean over clients of (acc - acc of that client's Local run)")
+    assert "PTR: share of clients whose accuracy beats their Local run's" in table
+    assert "R-Acc:" not in compare_runs([fdse])   # no Local run, no such columns, no legend
 
 
 # ---------------------------------------------------------------- end to end
@@ -360,7 +364,8 @@ def test_pflower_run_survives_a_dropped_log_stream(tmp_path: Path) -> None:
 def test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation(tmp_path: Path) -> None:
     """What every Flower user types first: ``flwr run . --stream`` on Flower's default
     federation (2 SuperNodes) runs the default experiment with all 8 clients, and gives the
-    numbers of the same run on 8 SuperNodes, bit for bit."""
+    numbers of the same run on 8 SuperNodes, bit for bit. Typed again it reuses the finished
+    run, as ``pflower run`` does; into a folder holding another run it fails in one line."""
     import os
 
     from helpers import REPO
@@ -373,17 +378,43 @@ def test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation(
            "OMP_NUM_THREADS": "1"}
     flwr = str(Path(sys.executable).parent / "flwr")
 
-    def flwr_run(name: str, *federation: str) -> dict:
+    def submit(name: str, *federation: str, rounds: int = 3) -> str:
         out = subprocess.run([flwr, "run", ".", "--stream", "--run-config",
-                              f"rounds=3 run-name='{name}' results-root='{tmp_path}'", *federation],
+                              f"rounds={rounds} run-name='{name}' results-root='{tmp_path}'", *federation],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        return out.stdout + out.stderr
+
+    def flwr_run(name: str, *federation: str) -> dict:
+        text = submit(name, *federation)
         summary = tmp_path / name / "summary.json"
-        assert summary.exists(), (out.stdout + out.stderr)[-3000:]
+        assert summary.exists(), text[-3000:]
         return json.loads(summary.read_text())
+
+    def status_of(text: str) -> str:
+        """The status on the SuperLink of the run whose submission printed ``text``."""
+        import re
+
+        run_id = re.search(r"Successfully started run (\d+)", text)
+        assert run_id, text[-3000:]
+        out = subprocess.run([flwr, "ls", "--format", "json"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+        return next(str(r["status"]) for r in json.loads(out.stdout)["runs"] if str(r["run-id"]) == run_id.group(1))
 
     try:
         two = flwr_run("two")
         eight = flwr_run("eight", "--federation-config", "num-supernodes=8")
+        # the same run again: pflower's reuse rule (nothing run, the run completes)
+        written = (tmp_path / "two" / "summary.json").stat().st_mtime_ns
+        again = submit("two")
+        assert f"{tmp_path / 'two'} already holds this run, finished" in again, again[-3000:]
+        assert "overrides='overwrite=true'" in again and "Traceback" not in again
+        assert (tmp_path / "two" / "summary.json").stat().st_mtime_ns == written
+        assert status_of(again) == "finished:completed"
+        # another configuration into that folder: one line in --run-config syntax, the run FAILED
+        clash = submit("two", rounds=4)
+        assert f"{tmp_path / 'two'} already holds a run" in clash and "--run-config \"run-name=" in clash, clash[-3000:]
+        assert "Traceback" not in clash and "raised an exception" not in clash, clash[-3000:]
+        assert status_of(clash) == "finished:failed"
     finally:   # the detached local SuperLink flwr started for this FLWR_HOME
         for pid in [int(p.name) for p in Path("/proc").glob("[0-9]*") if str(home) in _cmdline(int(p.name))]:
             kill_tree(pid)
@@ -436,3 +467,48 @@ def test_the_help_names_every_command_and_tells_the_two_cpu_options_apart() -> N
     code, out = _cli("run", "--help")
     text = " ".join(out.split())
     assert "--num-cpus is per client" in text and "--cpus is the whole run's share" in text
+
+
+def test_a_refusal_under_flwr_run_is_one_line_in_run_config_syntax(tmp_path: Path) -> None:
+    """Under ``flwr run .`` the ServerApp's refusals reach Flower's "raised an exception" log:
+    the record becomes the refusal's message, without traceback, and names the fixes in
+    ``--run-config`` syntax; any other exception keeps its traceback."""
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER
+
+    from common.flower_compat import log_refusals_as_one_line
+    from server.app import RunRefused
+    from server.results import RunFolderError, check_run_folder, run_config_hint
+
+    run = tmp_path / "x"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RunFolderError) as refused:
+        check_run_folder(run, resume=False, overwrite=False)
+    hint = run_config_hint(refused.value)
+    assert hint == (f"{run} already holds a run (metrics.jsonl); write elsewhere with --run-config "
+                    f"\"run-name='<new name>'\", resume it with --run-config \"overrides='resume={run}'\", "
+                    "or replace it with --run-config \"overrides='overwrite=true'\"")
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(logging.Formatter("%(message)s").format(record))
+
+    keep = Keep()
+    FLOWER_LOGGER.addHandler(keep)
+    log_refusals_as_one_line(RunRefused)
+    try:
+        for exc in (RunRefused(f"pflower: {hint}"), ValueError("a bug")):
+            try:
+                raise exc
+            except Exception as ex:
+                FLOWER_LOGGER.log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=ex)
+    finally:
+        FLOWER_LOGGER.removeHandler(keep)
+    assert keep.records[0] == f"pflower: {hint}"
+    assert keep.records[1].startswith("ServerApp raised an exception\nTraceback") and "ValueError: a bug" in keep.records[1]

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,130 @@ def test_a_phase_outside_the_rounds_reports_every_ten_seconds_with_the_time_left
         "pflower: personalising new clients: 3/6 (fit 3), about 12 s left",   # 12 s: first line after >= 10 s
         "pflower: personalising new clients: 6/6 (fit 6)",                    # 24 s: 12 s later, and the end
     ]
+
+
+# ---------------------------------------------------------------- what a run prints off a terminal
+def test_the_round_line_names_the_round_its_accuracy_comes_from() -> None:
+    """With ``eval_in_train`` round i's accuracy arrives with round i + 1's training: the line
+    says so instead of printing placeholders."""
+    from server.loop import round_line
+
+    ev = {"accuracy_mean": 0.14172, "accuracy_min": 0.03704}
+    assert round_line(1, 20, 16.34, 8, 8, None, 1) == (
+        "[round 1/20] 16.3 s, 8/8 clients trained; accuracy: round 1's comes with round 2's training")
+    assert round_line(2, 20, 0.61, 7, 8, (1, ev), 2) == (
+        "[round 2/20] 0.6 s, 7/8 clients trained; accuracy of round 1: mean 0.1417, worst client 0.0370")
+    assert round_line(20, 20, 1.0, 8, 8, (20, ev), None).endswith("; accuracy: mean 0.1417, worst client 0.0370")
+    assert round_line(3, 20, 1.0, 8, 8, None, None).endswith("accuracy: not measured yet")
+
+
+STREAM = ["Using SuperLink: pflower (127.0.0.1:1)\n",
+          "\x1b[92mINFO \x1b[0m:      Starting Flower Simulation\n",
+          "\x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.\n",
+          "\x1b[92mINFO \x1b[0m:      To change federation size, use the following command:\n",
+          "\x1b[92mINFO \x1b[0m:      \tflwr federation simulation-config @none/default <superlink> --num-supernodes <N>\n",
+          "\x1b[92mINFO \x1b[0m:      configure_train: round 1, sampled 8 of 8 clients\n",
+          "\x1b[92mINFO \x1b[0m:      [round 1/2] 9.0 s, 8/8 clients trained; accuracy: not measured yet\n",
+          "\x1b[92mINFO \x1b[0m:      [round 1] evaluation (with round 2's training: 8, by evaluate message: 0)\n",
+          "\x1b[93mWARNING \x1b[0m:   pflower: client 3 failed in round 2\n",
+          "\x1b[92mINFO \x1b[0m:      [round 2/2] 1.0 s, 7/8 clients trained; accuracy: mean 0.5, worst client 0.1\n"]
+
+
+def test_off_a_terminal_a_run_shows_its_round_lines_and_warnings_and_logs_everything(tmp_path: Path) -> None:
+    from ops.progress import RunOutput
+
+    screen = io.StringIO()
+    with RunOutput(tmp_path / "run" / "run.log", None, stream=screen) as output:
+        for line in STREAM:
+            output(line)
+    assert screen.getvalue().splitlines() == [
+        "[round 1/2] 9.0 s, 8/8 clients trained; accuracy: not measured yet",
+        "WARNING :   pflower: client 3 failed in round 2",
+        "[round 2/2] 1.0 s, 7/8 clients trained; accuracy: mean 0.5, worst client 0.1"]
+    logged = (tmp_path / "run" / "run.log").read_text().splitlines()
+    assert len(logged) == len(STREAM) and "\x1b" not in "".join(logged)
+    assert "WARNING :   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2." in logged
+    with RunOutput(tmp_path / "run" / "run.log", None, stream=io.StringIO(), append=True) as output:
+        output("INFO : a resumed attempt\n")
+    assert (tmp_path / "run" / "run.log").read_text().splitlines()[-1] == "INFO : a resumed attempt"
+
+
+def test_on_a_terminal_the_log_goes_above_the_bar_less_the_notices_that_do_not_apply(tmp_path: Path) -> None:
+    from ops.progress import RunOutput
+
+    class Bar:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def print(self, line: str) -> None:
+            self.lines.append(line)
+
+    bar = Bar()
+    with RunOutput(tmp_path / "run.log", bar) as output:   # type: ignore[arg-type]
+        for line in STREAM:
+            output(line)
+    assert bar.lines == [line for line in STREAM if "flwr 1.32" not in line and "federation" not in line]
+    assert len(bar.lines) == len(STREAM) - 3
+
+
+def test_rays_tip_is_filtered_by_a_warnings_filter_and_other_warnings_are_not(tmp_path: Path) -> None:
+    """The environment of every Flower process pflower starts ignores Ray's FutureWarning tip
+    (ray/_private/worker.py) and nothing else."""
+    import subprocess
+
+    from ops.deployment.launch import flower_env
+
+    code = ("import warnings\n"
+            "warnings.warn_explicit('Tip: In future versions of Ray, Ray will no longer override', "
+            "FutureWarning, 'worker.py', 2051, module='ray._private.worker')\n"
+            "warnings.warn_explicit('Tip: something else', FutureWarning, 'x.py', 1, module='other')\n"
+            "warnings.warn_explicit('Another', FutureWarning, 'worker.py', 9, module='ray._private.worker')\n")
+    env = flower_env(tmp_path / "home")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "override" not in out.stderr
+    assert "Tip: something else" in out.stderr and "Another" in out.stderr
+
+
+@pytest.mark.e2e
+def test_pflower_run_off_a_terminal_prints_one_line_per_round_and_ctrl_c_says_how_to_resume(tmp_path: Path) -> None:
+    """The README's first command (here 3 rounds) in a log file: one line per round, none of
+    Flower's or Ray's notices that do not apply (they stay in the run folder's run.log), no
+    lock or pid file left in the finished folder; typed again it says where the result is in
+    a few seconds; a run interrupted with Ctrl-C prints its resume command."""
+    import signal
+    import subprocess
+
+    from helpers import REPO, pflower_popen
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PFLOWER_PROGRESS", None)
+    args = [sys.executable, "-m", "ops.cli", "run", "rounds=3", f"results_root={tmp_path}", "run_name=first"]
+    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = out.stdout + out.stderr
+    rounds = [line for line in text.splitlines() if line.startswith("[round ")]
+    assert [line.split("]")[0] for line in rounds] == ["[round 1/3", "[round 2/3", "[round 3/3"], text
+    for noise in ("Since flwr 1.32", "To change federation size", "FutureWarning", "configure_train"):
+        assert noise not in text, text
+    run = tmp_path / "first"
+    logged = (run / "run.log").read_text()
+    assert "Since flwr 1.32" in logged and "configure_train: round 3" in logged and "[round 3/3]" in logged
+    assert not (run / ".lock").exists() and not (run / "pflower.pid").exists()
+    t0 = time.monotonic()
+    again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and f"-> {run / 'summary.json'}; nothing started" in again.stdout, again.stdout
+    assert time.monotonic() - t0 < 30
+
+    log = tmp_path / "interrupted.txt"
+    proc = pflower_popen(["run", "rounds=50", f"results_root={tmp_path}", "run_name=cut"], log)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "cut" / "checkpoint" / "server.npz").exists():
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"resume with: pflower run resume={tmp_path / 'cut'}" in log.read_text()

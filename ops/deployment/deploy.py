@@ -112,11 +112,13 @@ CONTAINER_RESULTS = "/results"
 
 
 def container_superlink_command(mode: str) -> list[str]:
-    """The SuperLink container's command: deployment mode, listening on all interfaces."""
+    """The SuperLink container's command: deployment mode, listening on all interfaces, as
+    ``pflower-superlink`` (Flower's SuperLink with the 10-minute task heartbeat that ``pflower
+    deploy`` gives its own, ``common/flower_compat.py`` item 3)."""
     link = SuperLink(simulation=False, host="0.0.0.0", insecure=mode == "insecure",
                      fleet_port=FLEET_PORT, http_port=CONTROL_PORT, workdir=Path(CONTAINER_STATE),
                      extra_args=superlink_tls_args(Path(CONTAINER_CERTS)) if mode == "tls" else ())
-    return ["flower-superlink", *link.args()]
+    return ["pflower-superlink", *link.args()]
 
 
 def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[str]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 APP_DIR = Path(__file__).resolve().parents[2]
 FEDERATION = "pflower"
 
@@ -83,43 +85,21 @@ def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
         proc.wait(timeout=2)
 
 
-# Process checks read Linux's /proc directly: slim container images have no `ps`.
-def _stat(pid: int) -> list[str] | None:
-    """Fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
+# Process checks through psutil (Linux's /proc, macOS's sysctl; slim container images have no `ps`).
 def cmdline(pid: int) -> str:
     """The command line of ``pid`` (empty when it is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
-
-
-def _all_stats() -> dict[int, list[str]]:
-    out = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat(int(entry.name))
-        if fields is not None:
-            out[int(entry.name)] = fields
-    return out
 
 
 def process_tree(root: int) -> list[int]:
     """``root`` and all its live descendants (children, grandchildren, ...), parents first."""
-    children: dict[int, list[int]] = {}
-    for pid, fields in _all_stats().items():
-        children.setdefault(int(fields[1]), []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo.extend(sorted(children.get(pid, [])))
-    return out
+    try:
+        return [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
+    except psutil.Error:
+        return [root]
 
 
 def _pgid(pid: int) -> int | None:
@@ -143,8 +123,10 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not yet reaped, counts as gone)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
 
 
 def _group_alive(pgid: int) -> bool:
@@ -155,7 +137,8 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return any(int(f[2]) == pgid and f[0] not in ("Z", "X") for f in _all_stats().values())
+    return any(_pgid(p.pid) == pgid and p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+               for p in psutil.process_iter(["status"]))
 
 
 def kill_pids(pids: Sequence[int], timeout: float = 5.0) -> None:
@@ -267,7 +250,7 @@ class SuperLink:
         again on the same ports and goes on with the run that is being resumed (holding its
         results folder, so the resumed run refused to start)."""
         flag = f"--runtime-api-address {self.control_address} "
-        return [pid for pid in _all_stats() if pid != os.getpid() and pid_alive(pid) and flag in cmdline(pid) + " "]
+        return [pid for pid in psutil.pids() if pid != os.getpid() and pid_alive(pid) and flag in cmdline(pid) + " "]
 
     def __enter__(self) -> SuperLink:
         return self.start()
@@ -293,8 +276,16 @@ def tail_of(path: Path, lines: int = 30) -> str:
         return ""
 
 
+# Ray's tip about a future default (ray/_private/worker.py: "Tip: In future versions of Ray, Ray
+# will no longer override accelerator visible devices env var if num_gpus=0 ..."), a
+# FutureWarning printed by every simulation: pflower gives each client its GPU share itself,
+# and Flower pins the Ray release. A warnings filter for that one warning, nothing else.
+RAY_TIP_FILTER = "ignore:Tip:FutureWarning:ray._private.worker"
+
+
 def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS", ""), RAY_TIP_FILTER) if w)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     env.setdefault("RAY_DEDUP_LOGS", "0")
