@@ -33,6 +33,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from learning.partition import (
     PARTITION_SCHEMES,
     PartitionError,
+    fedora_rotated_split,
     partition_indices,
     pflbed_split,
     split_among_domains,
@@ -98,11 +99,12 @@ class FederatedData:
 # --------------------------------------------------------------------------- transforms
 
 
-def apply_domain_transform(x: torch.Tensor, name: str, seed: int) -> torch.Tensor:
+def apply_domain_transform(x: torch.Tensor, name: str, seed: int, interpolation: str = "bilinear") -> torch.Tensor:
     """Apply the fixed transform of a synthetic domain to a batch ``x`` (N, C, H, W) in [0, 1].
 
     Names: ``original``, ``invert``, ``rotate-<degrees>`` (e.g. ``rotate-90``),
-    ``noise`` (low contrast plus fixed Gaussian noise), ``blur``, ``flip``.
+    ``noise`` (low contrast plus fixed Gaussian noise), ``blur``, ``flip``. Rotations are
+    ``bilinear``, or ``nearest`` (torchvision's default, which FEDORA's authors' loader uses).
     """
     import torchvision.transforms.functional as tf
 
@@ -122,7 +124,7 @@ def apply_domain_transform(x: torch.Tensor, name: str, seed: int) -> torch.Tenso
             angle = float(name.split("-", 1)[1])
         except ValueError as err:
             raise DatasetError(f"bad rotation domain {name!r}; use e.g. 'rotate-90'") from err
-        return tf.rotate(x, angle, interpolation=tf.InterpolationMode.BILINEAR)
+        return tf.rotate(x, angle, interpolation=tf.InterpolationMode(interpolation))
     raise DatasetError(
         f"unknown domain transform {name!r}; valid: original, invert, flip, noise, blur, "
         "rotate-<degrees>"
@@ -234,6 +236,12 @@ _TORCHVISION_LAYOUT = {
 
 def _load_torchvision(source: str, root: str) -> tuple[torch.Tensor, np.ndarray]:
     """Load train+test of a torchvision dataset from ``root`` as one pool in [0, 1]."""
+    (x_train, y_train), (x_test, y_test) = _load_torchvision_sets(source, root)
+    return torch.cat([x_train, x_test]), np.concatenate([y_train, y_test])
+
+
+def _load_torchvision_sets(source: str, root: str) -> list[tuple[torch.Tensor, np.ndarray]]:
+    """The training and the test set of a torchvision dataset from ``root``, in [0, 1]."""
     import torchvision.datasets as tvd
 
     cls_name, layout = _TORCHVISION_LAYOUT[source]
@@ -261,7 +269,7 @@ def _load_torchvision(source: str, root: str) -> tuple[torch.Tensor, np.ndarray]
             data = data.permute(0, 3, 1, 2)
         xs.append(data.float() / 255.0)
         ys.append(np.asarray(ds.targets, dtype=np.int64))
-    return torch.cat(xs), np.concatenate(ys)
+    return list(zip(xs, ys, strict=True))
 
 
 PREPROCESSING = ("plain", "imagenet")
@@ -516,7 +524,13 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         one_of("dataset.source", self.source, tuple(SOURCES), DatasetError)
         one_of("dataset.partition", self.partition, PARTITION_SCHEMES, DatasetError)
-        one_of("dataset.split", self.split, ("per-client", "pflbed"), DatasetError)
+        one_of("dataset.split", self.split, SPLITS, DatasetError)
+        check(self.split != "fedora" or (self.source in FEDORA_SOURCES and self.clients_per_domain == 1
+                                          and self.new_clients_per_domain == 0),
+              f"dataset.split=fedora (FEDORA's rotated datasets) splits {' or '.join(FEDORA_SOURCES)}'s own "
+              f"training and test sets among one client per domain; got source {self.source!r}, "
+              f"{self.clients_per_domain} client(s) and {self.new_clients_per_domain} new client(s) per domain",
+              DatasetError)
         one_of("dataset.augment", self.augment, AUGMENTS, DatasetError)
         one_of("dataset.preprocess", self.preprocess, PREPROCESSING, DatasetError)
         one_of("dataset.input_range", self.input_range, INPUT_RANGES, DatasetError)
@@ -556,6 +570,10 @@ class DatasetConfig:
                   f"dataset.synthetic=true needs dataset.synthetic_channels 1 or 3 and a size "
                   f"(dataset.synthetic_size or dataset.image_size), got {self.synthetic_channels} and "
                   f"{self.synthetic_size}/{self.image_size}", DatasetError)
+
+
+SPLITS = ("per-client", "pflbed", "fedora")
+FEDORA_SOURCES = ("mnist", "fashion-mnist")   # split=fedora: sources with their own train and test sets
 
 
 def dataset_config(cfg: Mapping[str, Any]) -> DatasetConfig:
@@ -616,6 +634,43 @@ def _array_pools(load: Callable[[DatasetConfig], tuple[torch.Tensor, np.ndarray]
         return Pools(out, ids, num_classes or int(y.max()) + 1, (int(x.shape[1]), int(x.shape[2]), int(x.shape[3])))
 
     return pools
+
+
+def fedora_sizes(cfg: DatasetConfig) -> tuple[int, int]:
+    """(training, validation) images per client under ``split=fedora``: ``samples_per_client``
+    less its validation and test fractions, and its validation fraction (256 x 50% / 25% =
+    the authors' 128 / 64; their test images come from the test set, 10,000 // clients)."""
+    n_val = round(cfg.samples_per_client * cfg.val_fraction)
+    return cfg.samples_per_client - n_val - round(cfg.samples_per_client * cfg.test_fraction), n_val
+
+
+def _fedora_pools(cfg: DatasetConfig, domains: list[str], seed: int) -> Pools:
+    """``split=fedora``: FEDORA's rotated datasets as its authors' loader builds them
+    (``learning/partition.py: fedora_rotated_split``): domain ``i`` is client ``i``, its pool
+    its training, validation and test images in that order, rotated by the domain's angle with
+    nearest-neighbour interpolation (torchvision's default ``rotate``, theirs). The sample ids
+    are the training set's indices, then the test set's offset by its size."""
+    (x_train, y_train), (x_test, y_test) = _load_torchvision_sets(cfg.source, cfg.root)
+    n_train, n_val = fedora_sizes(cfg)
+    big, factor = _imbalance(cfg, len(domains))
+    try:
+        splits = fedora_rotated_split(len(y_train), len(y_test), len(domains), n_train, n_val, seed, big, factor,
+                                      val_pool=len(y_train) // 6)   # theirs: 10,000 of 60,000
+    except PartitionError as err:
+        raise DatasetError(f"dataset {cfg.name!r} (split=fedora): {err}") from err
+    pools, ids = [], []
+    for name, (tr, va, te) in zip(domains, splits, strict=True):
+        x = apply_domain_transform(torch.cat([x_train[tr], x_train[va], x_test[te]]), name, seed,
+                                   interpolation="nearest")
+        y = np.concatenate([y_train[tr], y_train[va], y_test[te]])
+        pools.append((TensorDataset(_normalise(x, cfg.input_range), torch.as_tensor(y)), y))
+        ids.append(np.concatenate([tr, va, len(y_train) + te]))
+    return Pools(pools, ids, 10, (int(x_train.shape[1]), int(x_train.shape[2]), int(x_train.shape[3])))
+
+
+def _fedora_splits(pool_size: int, n_train: int, n_val: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A ``_fedora_pools`` pool's one client: its images are train, validation, test in order."""
+    return [(np.arange(n_train), np.arange(n_train, n_train + n_val), np.arange(n_train + n_val, pool_size))]
 
 
 BUNDLED_SOURCES = ("digits", "mnist5k", "digit-sources")   # read no dataset.root
@@ -700,7 +755,9 @@ def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> Federated
         raise DatasetError("dataset.domains is empty; list at least one domain")
     per_domain, new_per_domain = cfg.clients_per_domain, cfg.new_clients_per_domain
     rng_seed = int(seed) * 1000 + 17
-    pools = (_synthetic_pools if cfg.synthetic else SOURCES[source])(cfg, domains, rng_seed)
+    fedora = cfg.split == "fedora" and not cfg.synthetic   # synthetic images: the per-client split
+    pools = (_synthetic_pools if cfg.synthetic else _fedora_pools if fedora else SOURCES[source])(
+        cfg, domains, int(seed) if fedora else rng_seed)
     num_classes = pools.num_classes
     heldout = held_out_domains(dataset_cfg)
     big, factor = _imbalance(cfg, len(domains) * per_domain)
@@ -708,7 +765,10 @@ def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> Federated
     new_clients: dict[str, ClientSplit] = {}
     for d, (name, (pool, labels)) in enumerate(zip(domains, pools.pools, strict=True)):
         try:
-            if cfg.split == "pflbed":
+            if fedora:
+                scale = factor if d == big else 1
+                splits = _fedora_splits(len(labels), *(n * scale for n in fedora_sizes(cfg)))
+            elif cfg.split == "pflbed":
                 splits = _pflbed_splits(cfg, labels, per_domain, new_per_domain, seed=rng_seed + 101 * d,
                                         domain=name)
             else:

@@ -188,3 +188,38 @@ def pflbed_split(labels: np.ndarray, num_clients: int, num_new: int, val_fractio
 
     return (spread(part_pool, num_clients, 1), spread(new_pool, num_new, 2),
             np.sort(np.concatenate(val)), np.sort(np.concatenate(test)))
+
+
+def fedora_rotated_split(num_train_pool: int, num_test_pool: int, num_clients: int, train_per_client: int,
+                         val_per_client: int, seed: int, big: int = -1, factor: int = 1,
+                         val_pool: int = 10_000) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """FEDORA's rotated-dataset split, as its authors' loader builds it (junwu6/FEDORA,
+    ``utils/load_rotate_mnist.py``): per client (train, validation, test) indices, the first
+    two into the source's training set, the third into its test set.
+
+    With ``np.random.seed(seed)`` as their ``set_seed`` leaves it, the training set's indices
+    are shuffled once (validation = the last ``val_pool`` of them), then the test set's; client
+    ``i`` takes the next ``train_per_client`` training and ``val_per_client`` validation indices
+    in turn, and test slice ``i`` of ``num_test_pool // num_clients``. Client ``big`` takes
+    ``factor`` times the training and validation indices (their imbalanced setting: the last
+    client, 100 x, in the code). The same ``RandomState`` calls give the same indices as theirs.
+    """
+    rs = np.random.RandomState(seed)
+    ridx = np.arange(num_train_pool)
+    rs.shuffle(ridx)
+    train_ridx, val_ridx = ridx[:-val_pool], ridx[-val_pool:]
+    test_ridx = np.arange(num_test_pool)
+    rs.shuffle(test_ridx)
+    num_test = num_test_pool // num_clients
+    out, start_train, start_val = [], 0, 0
+    for i in range(num_clients):
+        scale = factor if i == big else 1
+        n_train, n_val = train_per_client * scale, val_per_client * scale
+        if start_train + n_train > len(train_ridx) or start_val + n_val > len(val_ridx):
+            raise PartitionError(f"{num_clients} clients of {train_per_client}/{val_per_client} training/validation "
+                                 f"samples (x{factor} for client {big}) need more than the {len(train_ridx)} training "
+                                 f"and {len(val_ridx)} validation samples of the pool")
+        out.append((train_ridx[start_train:start_train + n_train], val_ridx[start_val:start_val + n_val],
+                    test_ridx[num_test * i:num_test * (i + 1)]))
+        start_train, start_val = start_train + n_train, start_val + n_val
+    return out

