@@ -197,6 +197,18 @@ def _wait_for_round(proc: subprocess.Popen, run_dir: Path, rnd: int, log: Path, 
         time.sleep(0.1)
 
 
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, rnd: int, log: Path, timeout: float = 600) -> None:
+    """Until the server's checkpoint reaches round ``rnd`` (its metrics line comes first: a kill
+    between the two would find the checkpoint a round earlier)."""
+    from server.checkpoint import checkpoint_round
+
+    deadline = time.monotonic() + timeout
+    while (checkpoint_round(run_dir) or 0) < rnd:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint of round {rnd}"
+        time.sleep(0.1)
+
+
 def _simulation_pid(proc: subprocess.Popen) -> int:
     pids = [p for p in process_tree(proc.pid) if "bin/flwr-simulation" in cmdline(p)]
     assert pids, "no flwr-simulation process under pflower"
@@ -224,14 +236,14 @@ def test_a_simulation_that_dies_is_recovered_and_the_printed_resume_command_work
         ref = pflower_popen(["run", *COMMON, f"results_root={tmp_path}", "run_name=ref"], logs["ref"])
         _wait_for_round(ref, tmp_path / "ref", 1, logs["ref"])
         died = pflower_popen(["run", *COMMON, f"results_root={tmp_path}", "run_name=died"], logs["died"])
-        _wait_for_round(died, tmp_path / "died", 2, logs["died"])
+        _wait_for_checkpoint(died, tmp_path / "died", 2, logs["died"])
         os.kill(_simulation_pid(died), signal.SIGKILL)
         assert ref.wait(timeout=600) == 0, logs["ref"].read_text()[-3000:]
         assert died.wait(timeout=600) == 0, logs["died"].read_text()[-3000:]
 
         gaveup = pflower_popen(["run", *COMMON, f"results_root={tmp_path}", "run_name=gaveup",
                                 "--max-recoveries", "0"], logs["gaveup"])
-        _wait_for_round(gaveup, tmp_path / "gaveup", 2, logs["gaveup"])
+        _wait_for_checkpoint(gaveup, tmp_path / "gaveup", 2, logs["gaveup"])
         os.kill(_simulation_pid(gaveup), signal.SIGKILL)
         assert gaveup.wait(timeout=600) == 1, logs["gaveup"].read_text()[-3000:]
         text = logs["gaveup"].read_text()
