@@ -116,7 +116,7 @@ def test_compose_demo_runs_deploy3_for_two_rounds(images: list[str], mode: str, 
         assert summary["clients_reported"] == 3 and summary["clients_expected"] == 3
         # the SuperLink runs pflower's entry point (10-minute task heartbeat, as `pflower deploy`'s),
         # and the image's Flower takes that patch
-        top = subprocess.run(["docker", "top", link, "-eo", "args"], capture_output=True, text=True, timeout=60)
+        top = subprocess.run(["docker", "top", link, "-eo", "pid,args"], capture_output=True, text=True, timeout=60)
         assert "pflower-superlink" in top.stdout and "--database" in top.stdout, top.stdout + top.stderr
         ttl = subprocess.run(["docker", "exec", link, "python", "-c",
                               "import sys; from common.flower_compat import lengthen_task_heartbeat_ttl as f; "
