@@ -63,8 +63,9 @@ def strategy_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    """Valid names of a config group (the yaml files in ``conf/<group>/``)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """Valid names of a config group: the yaml files in ``conf/<group>/``, less the bases the
+    presets start from (``_base.yaml``: a leading underscore marks a file that is not a choice)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def run_config_to_overrides(run_config: Mapping[str, Any]) -> list[str]:

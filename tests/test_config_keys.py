@@ -79,7 +79,7 @@ def test_a_bad_key_is_refused_at_composition_by_name(override: str, named: str) 
 
 def test_every_experiment_and_group_composes() -> None:
     for group in ("experiment", "dataset", "model", "strategy"):
-        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+        for path in sorted((REPO / "conf" / group).glob("[!_]*.yaml")):
             overrides = [f"{group}={path.stem}"]
             try:
                 compose_config({}, overrides)
@@ -91,3 +91,37 @@ def test_every_experiment_and_group_composes() -> None:
             except ConfigError as err:   # a setting that starts from ImageNet weights names their file
                 assert "model.pretrained_path=" in str(err) and str(err).count("\n  - ") == 1, str(err)
                 compose_config({}, [*overrides, "model.pretrained_path=/w.pth"])
+
+
+def _dataset_file(name: str) -> dict:
+    return yaml.safe_load((REPO / "conf" / "dataset" / f"{name}.yaml").read_text()) or {}
+
+
+def _dataset_resolved(name: str) -> dict:
+    """A preset's keys after its defaults list (a slow, obvious walk of the files, not Hydra)."""
+    return {**_dataset_parent(name), **{k: v for k, v in _dataset_file(name).items() if k != "defaults"}}
+
+
+def _dataset_parent(name: str) -> dict:
+    """The keys a preset starts from: the presets in its defaults list, merged in order."""
+    merged: dict = {}
+    for parent in _dataset_file(name).get("defaults", []):
+        if parent != "_self_":
+            merged.update(_dataset_resolved(parent))
+    return merged
+
+
+def test_dataset_presets_start_from_the_base_and_hold_only_what_differs() -> None:
+    from dataclasses import fields
+
+    from learning.data import DatasetConfig
+
+    base = _dataset_file("_base")
+    assert set(base) == {f.name for f in fields(DatasetConfig)}, "conf/dataset/_base.yaml has every dataset key"
+    restated = []
+    for path in sorted((REPO / "conf" / "dataset").glob("[!_]*.yaml")):
+        own = {k: v for k, v in _dataset_file(path.stem).items() if k != "defaults"}
+        parent = _dataset_parent(path.stem)
+        assert set(parent) == set(base), f"{path.name} starts from _base (directly or through a preset)"
+        restated += [f"{path.name}: {k}: {v!r}" for k, v in own.items() if k in parent and parent[k] == v]
+    assert restated == [], "a preset restates its parent's value:\n" + "\n".join(restated)
