@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.run import machine
+from common.config import override_key
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,7 +155,7 @@ ROUND_TIMEOUT = "round_timeout=86400"
 
 
 def run_setting(name: str, setting: Setting, fraction: float, extra: list[str], root: Path) -> dict[str, object]:
-    timeout = [] if any(o.startswith("round_timeout=") for o in extra) else [ROUND_TIMEOUT]
+    timeout = [] if any(override_key(o) == "round_timeout" for o in extra) else [ROUND_TIMEOUT]
     overrides = [f"experiment={setting.experiment}", "dataset.synthetic=true", "rounds=2", *timeout,
                  *setting.extra, *scaled_samples(setting, fraction), *extra]
     m = measure_run(name, overrides, root)

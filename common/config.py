@@ -14,7 +14,7 @@ import json
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +27,10 @@ from common.settings import (
     TrainSettings,
 )
 from learning.typed import read_typed, unknown_key_message
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")
@@ -58,8 +62,8 @@ def strategy_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
     while the baselines keep theirs, and ``pflower sweep experiment=X strategy=a,b`` runs both."""
     table = cfg.strategy_overrides
     extra = [str(o) for o in table.get(str(cfg.strategy.name), [])]
-    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
-    return [o for o in extra if o.lstrip("+~").partition("=")[0] not in given]
+    given = {override_key(o) for o in overrides}
+    return [o for o in extra if override_key(o) not in given]
 
 
 def group_options(group: str) -> list[str]:
@@ -86,9 +90,12 @@ def run_config_to_overrides(run_config: Mapping[str, Any]) -> list[str]:
 
 def _check_group_choices(overrides: list[str]) -> None:
     for ov in overrides:
-        key, _, value = ov.lstrip("+~").partition("=")
+        key = override_key(ov)
         if key in GROUPS:
             options = group_options(key)
+            if parse_override(ov).is_sweep_override():
+                raise ConfigError(f"{ov}: one run takes one {key}; `pflower sweep {ov}` runs each")
+            value = override_value(ov)
             if value not in options:
                 raise ConfigError(
                     f"unknown {key} {value!r}; valid {key} names: {', '.join(options)}"
@@ -113,12 +120,12 @@ def _compose_cached(overrides_json: str, node_root: str = "") -> DictConfig:
     # the group choices alone say which strategy runs and what the experiment adds for it; the
     # command line's keys may need those additions (model.pool_size on FDSE's model)
     extra: list[str] = []
-    if any(o.lstrip("+~").startswith(("experiment=", "strategy_overrides")) for o in overrides):
-        choices = [o for o in overrides if "." not in o.lstrip("+~").partition("=")[0]]
+    if any(override_key(o).partition(".")[0] in ("experiment", "strategy_overrides") for o in overrides):
+        choices = [o for o in overrides if "." not in override_key(o)]
         extra = strategy_overrides(_hydra_compose(choices), overrides)
     cfg = _hydra_compose([*overrides, *extra])
     needs = models_required(cfg)
-    user_chose_model = any(o.lstrip("+~").startswith("model=") for o in [*overrides, *extra])
+    user_chose_model = any(override_key(o) == "model" for o in [*overrides, *extra])
     if needs and str(cfg.model.name) not in needs and not user_chose_model:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
         cfg = _hydra_compose([*overrides, f"model={needs[0]}"])
@@ -156,13 +163,11 @@ def default_run_name(cfg: DictConfig, overrides: list[str]) -> str:
     import hashlib
 
     name = f"{cfg.strategy.name}-{cfg.dataset.name}-{cfg.model.name}-s{cfg.seed}"
-    experiment = [o.partition("=")[2] for o in overrides if o.lstrip("+~").startswith("experiment=")]
+    experiment = override_values(overrides, "experiment")
     if experiment and experiment[-1]:
         name = f"{experiment[-1]}-{name}"
     # a group's choice (strategy=fdse) is in the name; its keys (strategy.lam=0) change the run
-    extra = sorted(o for o in overrides
-                   if o.lstrip("+~").partition("=")[0] not in _NAME_NEUTRAL
-                   and not o.lstrip("+~").startswith("dataset.root="))
+    extra = sorted(o for o in overrides if override_key(o) not in (*_NAME_NEUTRAL, "dataset.root"))
     if extra:
         name += "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
     return name
@@ -228,12 +233,11 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
     advice to add the key (``+train.lrr=0.1``), which pflower's typed groups would refuse in
     turn; the keys are found with Hydra's own override parser, and the configuration they are
     looked up in is composed from the command line's group choices alone."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        base = _hydra_compose([o for o in overrides if o.lstrip("+~").partition("=")[0] in GROUPS],
+        parsed = _override_parser().parse_overrides(overrides)
+        base = _hydra_compose([o for o in overrides if override_key(o) in GROUPS],
                               explain=False)
     except (HydraException, ConfigError):
         return []
@@ -319,16 +323,51 @@ CLI_RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "m
                    "run_name": "run-name", "results_root": "results-root"}
 
 
+# ---------------------------------------------------------------- reading one override
+@functools.lru_cache(maxsize=4096)
+def parse_override(text: str) -> Override:
+    """One command-line override read by Hydra's own parser (the one place pflower reads an
+    override's key and value: prefixes ``+``, ``++``, ``~``, quotes, lists, sweeps)."""
+    from hydra.errors import HydraException
+
+    try:
+        return _override_parser().parse_override(text)
+    except HydraException as err:
+        hint = " is not KEY=VALUE (e.g. strategy=fedbn)" if "=" not in text and not text.startswith("~") \
+            else " cannot be read"
+        raise ConfigError(f"override {text!r}{hint}: {str(err).splitlines()[0]}") from None
+
+
+@functools.cache
+def _override_parser() -> OverridesParser:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
+def override_key(text: str) -> str:
+    """The key (or group) an override sets, without its prefix: ``+train.lr=1`` -> ``train.lr``."""
+    return str(parse_override(text).key_or_group)
+
+
+def override_value(text: str) -> Any:
+    """An override's value as Hydra reads it (quotes removed; ``seed=1`` -> 1)."""
+    return parse_override(text).value()
+
+
+def override_values(overrides: list[str], key: str) -> list[Any]:
+    """The values the overrides give ``key``, in order (the last one wins)."""
+    return [override_value(o) for o in overrides if override_key(o) == key]
+
+
 def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     """Separate run-config keys (strategy=..., seed=...) from other Hydra overrides."""
     run_cfg: dict[str, str] = {}
     rest: list[str] = []
     for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} is not KEY=VALUE (e.g. strategy=fedbn)")
-        key, value = ov.split("=", 1)
-        if key in CLI_RUN_CONFIG_KEYS:
-            run_cfg[CLI_RUN_CONFIG_KEYS[key]] = value
+        override = parse_override(ov)
+        if override.get_key_element() in CLI_RUN_CONFIG_KEYS and not override.is_sweep_override():
+            run_cfg[CLI_RUN_CONFIG_KEYS[override.key_or_group]] = ov.partition("=")[2]
         else:
             rest.append(ov)
     return run_cfg, rest
@@ -342,12 +381,19 @@ def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
 
 
 def expand_grid(overrides: list[str]) -> list[list[str]]:
-    """``a=1,2 b=x`` -> [[a=1, b=x], [a=2, b=x]] (comma lists are swept, as Hydra multirun)."""
+    """Hydra's sweep syntax, expanded as its basic sweeper does: ``a=1,2 b=x`` -> [[a=1, b=x],
+    [a=2, b=x]]; ``seed=range(0,3)``; ``'x,y'`` and ``[x,y]`` are one value. A swept value is
+    written as Hydra writes it (``1e-3`` -> ``0.001``); an override that is not swept is kept
+    as given."""
     axes = []
-    for ov in overrides:
-        key, _, value = ov.partition("=")
-        if value.startswith("[") or "," not in value:
-            axes.append([ov])
+    for text in overrides:
+        override = parse_override(text)
+        if not override.is_sweep_override():
+            axes.append([text])
+        elif override.is_hydra_override() or "glob" in str(override.value_type).lower() \
+                or "interval" in str(override.value_type).lower():
+            raise ConfigError(f"override {text!r}: pflower sweeps comma lists and range(); list the values "
+                              "(e.g. strategy=fedavg,fedbn)")
         else:
-            axes.append([f"{key}={v}" for v in value.split(",")])
+            axes.append([f"{override.get_key_element()}={v}" for v in override.sweep_string_iterator()])
     return [list(c) for c in itertools.product(*axes)]

@@ -37,6 +37,7 @@ from common.config import (
     ConfigError,
     compose_config,
     expand_grid,
+    override_key,
     split_overrides,
     to_toml_run_config,
 )
@@ -536,7 +537,7 @@ def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], 
         stale_processes(run_dir)
         print(f"pflower: resuming {run_dir} after round {last}")
     run_cfg = {**run_cfg, "run-name": str(cfg.run_name), "results-root": str(cfg.results_root)}
-    rest = [o for o in rest if not o.lstrip("+").startswith("resume=")] + [f"resume={run_dir}"]
+    rest = [o for o in rest if override_key(o) != "resume"] + [f"resume={run_dir}"]
     return run_cfg, rest
 
 
@@ -571,11 +572,10 @@ def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> l
     (``resume=<folder>``, the command a user would type; bit-identical on the CPU), or run
     afresh when it stopped before computing anything (only its config was written). A folder
     with results but no checkpoint is left to ``pflower run``, which refuses to overwrite it."""
-    from ops.recovery import _key
     from server.checkpoint import checkpoint_round
     from server.results import OVERRIDES_FILE, existing_run_files
 
-    if not folder.is_dir() or any(_key(o) in ("resume", "overwrite") for o in combo):
+    if not folder.is_dir() or any(override_key(o) in ("resume", "overwrite") for o in combo):
         return combo
     nothing_computed = {"config.yaml", OVERRIDES_FILE, "FAILED"}   # what a run writes before its first round
     found = set(existing_run_files(folder))

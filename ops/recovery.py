@@ -26,7 +26,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from common.config import ConfigError, compose_config, split_overrides
+from common.config import (
+    ConfigError,
+    compose_config,
+    override_key,
+    override_values,
+    split_overrides,
+)
 
 # keys that may change when a run is resumed: they do not change what the rounds already
 # done computed (rounds extends the run; the others are how and how long to wait, where
@@ -37,13 +43,9 @@ RESUMABLE_KEYS = ("rounds", "round_timeout", "wait_for_clients", "device", "dete
 FOLDER_KEYS = ("resume", "run_name", "results_root", "overwrite")
 
 
-def _key(override: str) -> str:
-    return override.lstrip("+~").partition("=")[0]
-
-
 def resume_folder(overrides: list[str]) -> Path | None:
     """The folder of a ``resume=<folder>`` override, if any (the last one wins)."""
-    found = [o.partition("=")[2] for o in overrides if _key(o) == "resume"]
+    found = override_values(overrides, "resume")
     return Path(found[-1]).resolve() if found and found[-1] else None
 
 
@@ -91,7 +93,7 @@ def expand_resume(overrides: list[str], command: str = "pflower run") -> list[st
     saved = load_overrides(folder)
     if saved is None:
         return list(overrides)
-    extra = [o for o in overrides if _key(o) not in FOLDER_KEYS]
+    extra = [o for o in overrides if override_key(o) not in FOLDER_KEYS]
     refused = {k: v for k, v in changed_keys(saved, extra).items()
                if k.split(".")[0] not in RESUMABLE_KEYS}
     if refused:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, compose_config, expand_grid, split_overrides
+from common.config import ConfigError, compose_config, expand_grid, override_key, split_overrides
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,14 @@ class GridAxis:
 
     @classmethod
     def parse(cls, spec: str) -> GridAxis:
-        """``[strategy:]key=v1,v2,...``"""
-        head, eq, values = spec.partition("=")
-        strategy, colon, key = head.rpartition(":")
-        items = tuple(v for v in values.split(",") if v)
-        if not eq or not key or not items:
+        """``[strategy:]key=v1,v2,...``: the part after ``strategy:`` is a Hydra sweep."""
+        head = spec.partition("=")[0]
+        strategy, colon, _ = head.rpartition(":")
+        sweep = spec[len(strategy) + 1:] if colon else spec
+        settings = expand_grid([sweep]) if "=" in sweep else []
+        items = tuple(setting[0].partition("=")[2] for setting in settings)
+        key = override_key(sweep) if settings else ""
+        if not key or not all(items):
             raise ConfigError(f"--grid {spec!r}: expected [STRATEGY:]KEY=V1,V2,... (e.g. train.lr=0.01,0.1 "
                               "or fedprox:strategy.mu=0.01,0.1)")
         return cls(key, items, strategy if colon else None)
@@ -88,7 +91,7 @@ def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], t
     time): every setting's grid, then every setting's seeds at its choice, so a many-core box
     runs a whole phase side by side. A setting whose grid runs all failed is reported and
     gets no seed runs; the other settings go on."""
-    if any(o.lstrip("+~").startswith("seed=") for o in overrides):
+    if any(override_key(o) == "seed" for o in overrides):
         raise ConfigError("give the seeds with --seeds (and the tuning seed with --tune-seed), not seed=")
     settings = []
     for setting in expand_grid(overrides):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from common.config import override_key
 from common.figures import inches, tick_step
 from common.protocol import client_sort_key
 from learning.storage import atomic_write_text
@@ -280,7 +281,7 @@ _FOLDER_KEYS = ("resume", "run_name", "results_root", "overwrite")
 def save_overrides(run_dir: Path, overrides: list[str]) -> None:
     """Write ``overrides.json``: the overrides that compose this run's config, less the
     folder's own keys (a resume takes those from the folder, wherever it was moved)."""
-    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in _FOLDER_KEYS]
+    kept = [o for o in overrides if override_key(o) not in _FOLDER_KEYS]
     atomic_write_text(run_dir / OVERRIDES_FILE, json.dumps({"overrides": kept}, indent=1) + "\n")
 
 
