@@ -67,7 +67,7 @@ class FedBABUTrainer(ClientTrainer):
                 "head (its private state was lost or belongs to another run); the server will "
                 "resend the head next round"
             )
-        expected = rnd.config.get(HEAD_DIGEST_KEY)
+        expected = rnd.message_config.get(HEAD_DIGEST_KEY)
         if expected and head_digest(stored) != str(expected):
             raise HeadMissingError(
                 f"client {rnd.client_id}: the stored head does not match the server's head "

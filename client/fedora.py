@@ -125,8 +125,7 @@ class FEDORATrainer(ClientTrainer):
         ``penalty=decoupled`` (the pull lr lambda (theta_0 - theta_hat)). Unbounded, lambda
         grows with a client's own validation loss (the code form exponentially); past the
         bound the pull overshoots theta_hat, beyond twice it (heavy-ball: (1 + momentum) /
-        (2 lr)) every step moves farther away and the client diverges, then fails every later
-        round (a noisy-domain client at lr 0.05: lambda 95, its loss 4e17)."""
+        (2 lr)) every step moves farther away and the client diverges."""
         bound = self.options.lambda_max
         if bound is None:
             return math.inf
@@ -170,7 +169,7 @@ class FEDORATrainer(ClientTrainer):
     def upload(self, work: LocalRound) -> tuple[NDArrays, dict[str, NDArrays]]:
         """theta_k, plus the basis when the server asked for it (once)."""
         arrays, extra = super().upload(work)
-        wanted = str(work.rnd.config.get(NEED_BASIS_KEY, ""))
+        wanted = str(work.rnd.message_config.get(NEED_BASIS_KEY, ""))
         if work.rnd.client_id in [c for c in wanted.split(",") if c]:
             extra[BASIS_RECORD] = {BASIS_ARRAY: self.basis(work.rnd, work.state)}
         return arrays, extra

@@ -62,7 +62,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     rnd = ClientRound(
         cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
         input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
-        server_round=int(server_cfg.get("server-round", 0)), config=server_cfg,
+        server_round=int(server_cfg.get("server-round", 0)), message_config=server_cfg,
     )
     # context.state (the in-memory copy of the state) is the node's: a simulation runs two
     # messages for one node at once and keeps whichever context comes back last, which may
@@ -77,7 +77,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
 def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
     """Which saved state versions this call may use (see client/state.py): the server's
     ``resume-round`` and this run attempt's id."""
-    resumed = rnd.config.get("resume-round")
+    resumed = rnd.message_config.get("resume-round")
     return {"resumed_from": None if resumed is None else int(resumed),  # type: ignore[arg-type]
             "attempt": str(context.run_id)}
 
@@ -88,12 +88,12 @@ def train(msg: Message, context: Context) -> Message:
     scope = _state_scope(rnd, context)
     state, meta = store.load(max_round=rnd.server_round - 1, **scope)
     evaluation = None
-    if rnd.config.get(EVALUATE_ROUND) is not None:
+    if rnd.message_config.get(EVALUATE_ROUND) is not None:
         # the previous round's evaluation, riding on this message: the payload and the state
         # are exactly what that round's evaluate message would have met (nothing changes in
         # between), so the numbers are the same and a message (a process, in a deployment)
         # is saved
-        evaluation = _evaluate_round(trainer, rnd, int(rnd.config[EVALUATE_ROUND]), payload, state)
+        evaluation = _evaluate_round(trainer, rnd, int(rnd.message_config[EVALUATE_ROUND]), payload, state)
     result = trainer.fit(rnd, payload, state)
     store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
                               # the rounds this state went through (survives SuperNode restarts)
@@ -110,9 +110,9 @@ def train(msg: Message, context: Context) -> Message:
 def _evaluate_round(trainer: Any, rnd: ClientRound, server_round: int, payload: dict[str, np.ndarray],
                     state: dict[str, np.ndarray]) -> dict[str, float]:
     """The metrics of an evaluate message of ``server_round`` (not the final one)."""
-    config = {**rnd.config, "server-round": server_round, "final": False}
+    config = {**rnd.message_config, "server-round": server_round, "final": False}
     config.pop(EVALUATE_ROUND, None)
-    return _evaluation(trainer, replace(rnd, server_round=server_round, config=config), dict(payload), dict(state))
+    return _evaluation(trainer, replace(rnd, server_round=server_round, message_config=config), dict(payload), dict(state))
 
 
 def _evaluation(trainer: Any, rnd: ClientRound, payload: dict[str, np.ndarray],

@@ -53,7 +53,7 @@ class ClientRound:
     input_shape: tuple[int, int, int]
     device: torch.device
     server_round: int
-    config: Mapping[str, Any] = field(default_factory=dict)
+    message_config: Mapping[str, Any] = field(default_factory=dict)   # the server's config record for this call
 
     @property
     def seed(self) -> int:
@@ -232,7 +232,7 @@ class ClientTrainer:
             glob = references.get("global_")
             base = glob if glob is not None else self.personal_model(rnd, payload, state)
             if finetunes_this_round(rnd):
-                out.update(finetune_and_evaluate(base, rnd, final=bool(rnd.config.get("final", False))))
+                out.update(finetune_and_evaluate(base, rnd, final=bool(rnd.message_config.get("final", False))))
                 out["accuracy"], out["val_accuracy"] = out["ft_accuracy"], out["ft_val_accuracy"]
                 out["loss"] = out["ft_loss"]
                 out[FINETUNED] = 1.0
@@ -391,7 +391,7 @@ def finetunes_this_round(rnd: ClientRound) -> bool:
     """Fine-tuning is the costly part of an evaluation (5 epochs per client): do it at the
     final evaluation, and every ``finetune.every`` rounds when asked."""
     every = int(rnd.cfg.finetune.every)
-    return bool(rnd.config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
+    return bool(rnd.message_config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
 
 
 def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = False) -> dict[str, float]:

@@ -72,8 +72,7 @@ def cpus_per_run(jobs: int) -> int:
     Every run starts its own private Ray instance, and each would otherwise take the whole
     machine: ``jobs`` instances start ``jobs`` times as many clients as there are cores, each
     with as many threads as its ``--num-cpus`` (Ray sets ``OMP_NUM_THREADS``), and the cores
-    spend the round switching threads. On a 16-core box, 6 runs of the FEDORA table with
-    ``--num-cpus 4`` took 36-59 s a round each; given 2 CPUs each, 1.2-1.7 s (docs/benchmarks.md)."""
+    spend the round switching threads (measured in docs/benchmarks.md)."""
     return max(1, (os.cpu_count() or 1) // max(jobs, 1))
 
 
@@ -83,8 +82,7 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
     has never starts: Flower's Ray engine builds an empty actor pool and the run dies after its
     start-up ("ActorPool is empty"). Refused before anything starts, for the private Ray
     instance (a cluster may have more). Flower 1.39 takes a whole number of CPUs per client
-    (its ``client-resources-num-cpus`` is an integer): a fraction failed only after the
-    SuperLink had started ("'float' object cannot be interpreted as an integer")."""
+    (its ``client-resources-num-cpus`` is an integer), so a fraction is refused here too."""
     if num_cpus > 0 and not float(num_cpus).is_integer():
         raise ConfigError(f"--num-cpus {_num(num_cpus)}: Flower takes a whole number of CPUs per simulated "
                           f"client; use --num-cpus {max(1, round(num_cpus))} (to run more clients at once, "

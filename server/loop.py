@@ -68,13 +68,13 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
     latest: tuple[int, dict[str, Any]] | None = None   # the last evaluation known: (round, summary)
     if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
         fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
-    for rnd in range(start, rounds + 1):
+    for server_round in range(start, rounds + 1):
         t0 = time.monotonic()
-        messages = list(strategy.configure_train(rnd, to_record(strategy.global_arrays),
+        messages = list(strategy.configure_train(server_round, to_record(strategy.global_arrays),
                                                  ConfigRecord({**base_config, **fused.train_config()}), grid))
         # each reply is validated as it arrives, and folded into the mean at once when the
         # round's replies would not fit side by side (strategy.streams_round)
-        receiver = strategy.receive_train(rnd)
+        receiver = strategy.receive_train(server_round)
         replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout), on_reply=receiver.take)
         del messages
         pending = fused.take()
@@ -82,44 +82,44 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
             carried = _evaluate(strategy, grid, cfg, base_config, pending, replies)
             recorder.attach_evaluation(pending, carried)
             latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
-        result = strategy.aggregate_round(rnd, receiver)
+        result = strategy.aggregate_round(server_round, receiver)
         comm = result.log
         record: dict[str, Any] = {
-            "round": rnd,
+            "round": server_round,
             "train": result.metrics,
             "communication": {"bytes_up": comm.bytes_up, "bytes_down": comm.bytes_down},
             "sampled": comm.sampled,
             "failed": comm.failed,
             "rejected": comm.rejected,
         }
-        if _is_eval_round(rnd, cfg) and not fused.defer(rnd):
-            record.update(_evaluate(strategy, grid, cfg, base_config, rnd))
-        record.update(strategy.round_extras(rnd))
+        if _is_eval_round(server_round, cfg) and not fused.defer(server_round):
+            record.update(_evaluate(strategy, grid, cfg, base_config, server_round))
+        record.update(strategy.round_extras(server_round))
         recorder.log_round(record)
         if record.get("evaluate"):
-            latest = (rnd, record["evaluate"])
-        log(INFO, "%s", round_line(rnd, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
+            latest = (server_round, record["evaluate"])
+        log(INFO, "%s", round_line(server_round, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
                                    latest, fused.pending))
-        if int(cfg.checkpoint_every) > 0 and (rnd % int(cfg.checkpoint_every) == 0 or rnd == rounds):
+        if int(cfg.checkpoint_every) > 0 and (server_round % int(cfg.checkpoint_every) == 0 or server_round == rounds):
             rng_arrays, rng_meta = rng_state_groups()
             groups, meta = strategy.state()
-            save_checkpoint(recorder.dir, rnd, {**groups, "_rng": rng_arrays},
+            save_checkpoint(recorder.dir, server_round, {**groups, "_rng": rng_arrays},
                             {**identity, "strategy_state": meta, "rng_state": rng_meta})
     return rounds
 
 
-def round_line(rnd: int, rounds: int, seconds: float, trained: int, sampled: int,
+def round_line(server_round: int, rounds: int, seconds: float, trained: int, sampled: int,
                latest: tuple[int, dict[str, Any]] | None, pending: int | None) -> str:
     """The one line a round leaves in the log (the only one ``pflower run`` shows off a
     terminal): its time, how many clients trained, and the last accuracy known, naming its
     round (with ``eval_in_train`` a round's evaluation arrives with the next round's training)."""
-    line = f"[round {rnd}/{rounds}] {seconds:.1f} s, {trained}/{sampled} clients trained; "
+    line = f"[round {server_round}/{rounds}] {seconds:.1f} s, {trained}/{sampled} clients trained; "
     if latest is not None:
         known, ev = latest
-        return line + (f"accuracy{'' if known == rnd else f' of round {known}'}: mean "
+        return line + (f"accuracy{'' if known == server_round else f' of round {known}'}: mean "
                        f"{ev['accuracy_mean']:.4f}, worst client {ev['accuracy_min']:.4f}")
-    if pending == rnd:
-        return line + f"accuracy: round {rnd}'s comes with round {rnd + 1}'s training"
+    if pending == server_round:
+        return line + f"accuracy: round {server_round}'s comes with round {server_round + 1}'s training"
     return line + "accuracy: not measured yet"
 
 
@@ -146,37 +146,37 @@ class FusedEvaluation:
         pending, self.pending = self.pending, None
         return pending
 
-    def defer(self, rnd: int) -> bool:
-        """Defer evaluation round ``rnd`` to the next round's messages, when that exists."""
-        if self.enabled and rnd < int(self.cfg.rounds):
-            self.pending = rnd
+    def defer(self, server_round: int) -> bool:
+        """Defer evaluation round ``server_round`` to the next round's messages, when that exists."""
+        if self.enabled and server_round < int(self.cfg.rounds):
+            self.pending = server_round
             return True
         return False
 
 
-def _is_eval_round(rnd: int, cfg: DictConfig) -> bool:
-    return rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds)
+def _is_eval_round(server_round: int, cfg: DictConfig) -> bool:
+    return server_round % int(cfg.eval_every) == 0 or server_round == int(cfg.rounds)
 
 
 def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_config: dict[str, Any],
-              rnd: int, train_replies: list[Message] | None = None) -> dict[str, Any]:
-    """Round ``rnd``'s evaluation of every connected client: the evaluations that came with
+              server_round: int, train_replies: list[Message] | None = None) -> dict[str, Any]:
+    """Round ``server_round``'s evaluation of every connected client: the evaluations that came with
     ``train_replies`` (``eval_in_train``) plus evaluate messages to every other client (not
     sampled, failed, or all of them when there are no such replies)."""
     carried = [m for m in (train_replies or [])
                if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
     done = {strategy.directory.sender_of(m) for m in carried}
     others = [c for c in strategy.directory.connected(grid) if c not in done]
-    eval_cfg = ConfigRecord({**base_config, "final": rnd == int(cfg.rounds)})
-    messages = strategy.evaluate_messages(rnd, eval_cfg, others, already=done)
+    eval_cfg = ConfigRecord({**base_config, "final": server_round == int(cfg.rounds)})
+    messages = strategy.evaluate_messages(server_round, eval_cfg, others, already=done)
     replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout)) if messages else []
-    evaluation = strategy.evaluation_of(rnd, [*carried, *replies])
+    evaluation = strategy.evaluation_of(server_round, [*carried, *replies])
     summary = evaluation.summary()
     if summary is None:
         return {}
     if train_replies is not None:
         ev = summary
         log(INFO, "[round %d] evaluation (with round %d's training: %d, by evaluate message: %d) | "
-            "accuracy mean %.4f min %.4f", rnd, rnd + 1, len(carried), len(messages),
+            "accuracy mean %.4f min %.4f", server_round, server_round + 1, len(carried), len(messages),
             ev["accuracy_mean"], ev["accuracy_min"])
     return {"evaluate": summary, "clients": evaluation.per_client, "eval_failed": evaluation.failed}

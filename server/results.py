@@ -203,20 +203,20 @@ class RunRecorder:
     def _rewrite(self) -> None:
         atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rounds))
 
-    def attach_evaluation(self, rnd: int, evaluation: Mapping[str, Any]) -> None:
-        """Add round ``rnd``'s evaluation to its record, written before the evaluation
+    def attach_evaluation(self, server_round: int, evaluation: Mapping[str, Any]) -> None:
+        """Add round ``server_round``'s evaluation to its record, written before the evaluation
         arrived (it came with the next round's training); metrics.jsonl is rewritten
         atomically."""
         if not evaluation:
             return
         for rec in self.rounds:
-            if rec["round"] == rnd:
+            if rec["round"] == server_round:
                 rec.update(evaluation)
                 break
         else:
-            raise RuntimeError(f"no record of round {rnd} to attach its evaluation to")
+            raise RuntimeError(f"no record of round {server_round} to attach its evaluation to")
         self._rewrite()
-        if (events := self._events(rnd + 1)) is not None:
+        if (events := self._events(server_round + 1)) is not None:
             events.log_evaluation(rec)
 
     def log_round(self, record: dict[str, Any]) -> None:

@@ -127,7 +127,7 @@ class PersonalizedStrategy(Strategy):
     client_ids : the run's participating clients.
     run : the run keys (:class:`RunSettings`).
     options : the method's options (``cfg.strategy``: ``name``, ``weighted`` and its own keys,
-        validated into ``self.opts``).
+        validated into ``self.options``, its typed options class).
     model : the initial torch model, for methods that split parameters by role.
     data : the data summary (client sizes, domains, input shape), for methods that need it.
     """
@@ -155,10 +155,9 @@ class PersonalizedStrategy(Strategy):
         self.client_ids = list(client_ids)
         self.personal: dict[str, NDArrays] = {}
         self.run = run
-        self.options = dict(options)
-        self.opts: MethodOptions = method_options(self.options)
-        self.weighted = self.opts.weighted
-        self.roles: dict[str, str] = parameter_roles(self.options, model) if model is not None else {}
+        self.options: MethodOptions = method_options(dict(options))
+        self.weighted = self.options.weighted
+        self.roles: dict[str, str] = parameter_roles(dict(options), model) if model is not None else {}
         self.model, self.data = model, data
         self.train_config: dict[str, Any] = {}    # keys a method adds to every message
         self.rng = random.Random(run.seed)

@@ -105,14 +105,14 @@ class FDSE(PersonalizedStrategy):
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)
-        if self.model is None or not isinstance(self.opts, FDSEOptions):
+        if self.model is None or not isinstance(self.options, FDSEOptions):
             raise ValueError("FDSE needs the initial model (model=...) and its options "
                              "(options=cfg.strategy) to find its shared, personal and local parameters")
         missing = [k for k in initial_arrays if k not in self.roles]
         if missing:
             raise ValueError(f"FDSE: initial arrays {missing[:3]} are not keys of the model")
         self.groups = split_keys(self.roles)
-        self.tau, self.tol, self.zero_policy = self.opts.tau, self.opts.consensus_tol, self.opts.zero_policy
+        self.tau, self.tol, self.zero_policy = self.options.tau, self.options.consensus_tol, self.options.zero_policy
         local = set(self.groups["local"])
         # the server never holds nor sends local-only statistics
         self.global_arrays = {k: v for k, v in self.global_arrays.items() if k not in local}

@@ -45,15 +45,15 @@ class FedBABU(PersonalizedStrategy):
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)
-        if self.model is None or not isinstance(self.opts, FedBABUOptions | FedProxOptions):
+        if self.model is None or not isinstance(self.options, FedBABUOptions | FedProxOptions):
             raise ValueError("FedBABU needs the initial model and its options to find its head "
                              "(pass model= and options=cfg.strategy)")
         self.head_keys: list[str] = keys_with(self.roles, FROZEN)
         seed = self.run.seed
-        mode = self.opts.head_init if isinstance(self.opts, FedBABUOptions) else "orthogonal"
+        mode = self.options.head_init if isinstance(self.options, FedBABUOptions) else "orthogonal"
         self.head_init = mode
         _, head0 = split_head(self.global_arrays, self.head_keys)
-        gain = self.opts.head_gain if isinstance(self.opts, FedBABUOptions) else 1.0
+        gain = self.options.head_gain if isinstance(self.options, FedBABUOptions) else 1.0
         self.head: NDArrays = init_head(head0, seed, mode, gain)
         self.global_arrays.update(self.head)
         self.head_sha = head_digest(self.head)

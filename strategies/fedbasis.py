@@ -41,12 +41,12 @@ class FedBasis(PersonalizedStrategy):
     """FedBasis (see the module docstring)."""
 
     name: ClassVar[str] = "fedbasis"
-    opts: FedBasisOptions
+    options: FedBasisOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.global_arrays.pop(COEFF_KEY, None)              # the clients' own, never sent
-        self.warm_rounds = int(self.opts.warm_fraction * self.run.rounds)
+        self.warm_rounds = int(self.options.warm_fraction * self.run.rounds)
         self.seeded = self.warm_rounds == 0
         self.switch: dict[str, Any] = {}
         self.coefficients: dict[int, dict[str, dict[str, list[float]]]] = {}   # round -> client -> unit -> alpha
@@ -58,7 +58,7 @@ class FedBasis(PersonalizedStrategy):
 
     @property
     def warm_prefix(self) -> str:
-        return MAJOR_PREFIX if self.opts.major else basis_prefix(0)
+        return MAJOR_PREFIX if self.options.major else basis_prefix(0)
 
     def payload_for(self, client_id: str | None) -> NDArrays:
         """All bases; during the warm-up only the FedAvg model (one model down, not K+1)."""
@@ -94,24 +94,24 @@ class FedBasis(PersonalizedStrategy):
         """End of the warm-up: the K bases from the clients' models of this round."""
         n = len(self.warm_prefix)
         models = [{k[n:]: v for k, v in u.arrays.items()} for u in updates]
-        k = self.opts.num_bases
-        bases, assignment = seed_bases(models, k, self.opts.seed_bases, seed=self.run.seed)
+        k = self.options.num_bases
+        bases, assignment = seed_bases(models, k, self.options.seed_bases, seed=self.run.seed)
         for j, basis in enumerate(bases):
             self.global_arrays.update({basis_prefix(j) + key: v for key, v in basis.items()})
         self.seeded = True
-        self.switch = {"round": server_round, "seed_bases": self.opts.seed_bases,
+        self.switch = {"round": server_round, "seed_bases": self.options.seed_bases,
                        "assignment": {u.client_id: a for u, a in zip(updates, assignment, strict=False)}}
         if len(models) < k:
             log(WARNING, "fedbasis: only %d client models for %d bases; some bases start equal", len(models), k)
         log(INFO, "fedbasis: warm-up (FedAvg) ended after round %d; %s = FedAvg model, %d bases seeded "
-            "by %s from %d client models (%s)", server_round, "major basis" if self.opts.major else "-",
-            k, self.opts.seed_bases, len(models), self.switch["assignment"])
+            "by %s from %d client models (%s)", server_round, "major basis" if self.options.major else "-",
+            k, self.options.seed_bases, len(models), self.switch["assignment"])
         self._record_diagnostics(server_round, [])
 
     def _record_diagnostics(self, server_round: int, updates: list[ClientUpdate]) -> None:
         vectors = [flatten({k[len(basis_prefix(j)):]: v for k, v in self.global_arrays.items()
                             if k.startswith(basis_prefix(j))}, self.param_keys)
-                   for j in range(self.opts.num_bases)]
+                   for j in range(self.options.num_bases)]
         diag = {"basis_cosine": mean_pairwise_cosine(vectors)}
         coeffs = [np.array(list(c.values())) for c in self.coefficients.get(server_round, {}).values() if c]
         if coeffs:
@@ -119,7 +119,7 @@ class FedBasis(PersonalizedStrategy):
         self.diagnostics[server_round] = diag
         log(INFO, "fedbasis: round %d, mean pairwise cosine of the bases %.4f, mean coefficient entropy %s "
             "(uniform = %.3f)", server_round, diag["basis_cosine"],
-            f"{diag['coeff_entropy']:.4f}" if "coeff_entropy" in diag else "-", np.log(self.opts.num_bases))
+            f"{diag['coeff_entropy']:.4f}" if "coeff_entropy" in diag else "-", np.log(self.options.num_bases))
 
     # ------------------------------------------------------------------ records
     def round_extras(self, server_round: int) -> dict[str, Any]:
@@ -129,8 +129,8 @@ class FedBasis(PersonalizedStrategy):
 
     def latest_coefficients(self) -> dict[str, dict[str, list[float]]]:
         out: dict[str, dict[str, list[float]]] = {}
-        for rnd in sorted(self.coefficients):
-            out.update(self.coefficients[rnd])
+        for server_round in sorted(self.coefficients):
+            out.update(self.coefficients[server_round])
         return out
 
     def summary_extras(self) -> dict[str, Any]:
@@ -139,10 +139,10 @@ class FedBasis(PersonalizedStrategy):
             try:
                 if self.diagnostics:
                     plot_diagnostics(run_dir / "basis_diagnostics.png", self.diagnostics, self.warm_rounds,
-                                     float(np.log(self.opts.num_bases)))
+                                     float(np.log(self.options.num_bases)))
                 if self.coefficients:
                     plot_coefficients(run_dir / "coefficients.png", self.latest_coefficients(),
-                                      client_labels(self.data, prefix=""), self.opts.major)
+                                      client_labels(self.data, prefix=""), self.options.major)
             except Exception as err:  # a plot must never stop the run
                 log(WARNING, "fedbasis: could not plot: %s", err)
         last = self.diagnostics[max(self.diagnostics)] if self.diagnostics else {}

@@ -89,12 +89,12 @@ class FEDORA(PersonalizedStrategy):
 
     name: ClassVar[str] = "fedora"
     mean_rule: ClassVar[bool] = False   # the propagation mixes every client's model
+    options: FEDORAOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.opts, FEDORAOptions):
+        if not isinstance(self.options, FEDORAOptions):
             raise ValueError("FEDORA needs its options (options=cfg.strategy, conf/strategy/fedora.yaml)")
-        self.fedora: FEDORAOptions = self.opts
         self.bases: dict[str, np.ndarray] = {}
         self.theta: dict[str, NDArrays] = {}
         self.w: np.ndarray | None = None
@@ -102,7 +102,7 @@ class FEDORA(PersonalizedStrategy):
         self.basis_dim: int | None = None
         if self.data is not None:
             self.basis_dim = int(np.prod(self.data.input_shape))
-            if self.fedora.basis_labels:
+            if self.options.basis_labels:
                 self.basis_dim += int(self.data.num_classes)
         self._round_notes: dict[str, Any] = {}
 
@@ -121,8 +121,8 @@ class FEDORA(PersonalizedStrategy):
         """Why an uploaded basis is unusable, or None."""
         if u.ndim != 2 or u.shape[1] < 1 or u.shape[0] < u.shape[1]:
             return f"basis must be a (d, p) matrix with 1 <= p <= d, got shape {u.shape}"
-        if u.shape[1] != self.fedora.basis_rank:
-            return f"basis has rank {u.shape[1]}, strategy.basis_rank is {self.fedora.basis_rank}"
+        if u.shape[1] != self.options.basis_rank:
+            return f"basis has rank {u.shape[1]}, strategy.basis_rank is {self.options.basis_rank}"
         expected = self.basis_dim
         if expected is None and self.bases:
             expected = next(iter(self.bases.values())).shape[0]
@@ -155,7 +155,7 @@ class FEDORA(PersonalizedStrategy):
     def build_graph(self) -> None:
         """W from all K bases (paper or code form), saved and plotted in the run folder."""
         bases = [self.bases[c] for c in self.client_ids]
-        o = self.fedora
+        o = self.options
         self.w = subspace_similarity(bases, form=o.similarity, top_k=o.top_k,
                                      temperature=o.temperature, self_loops=o.self_loops)
         self.cosine_sum = subspace_similarity(bases, form="paper", self_loops=True)
@@ -174,7 +174,7 @@ class FEDORA(PersonalizedStrategy):
         (run_dir / "similarity.json").write_text(json.dumps(self.similarity_report(), indent=1))
         try:
             plot_similarity(run_dir / "similarity.png", self.cosine_sum, self.w, self.client_ids,
-                            self.fedora.similarity)
+                            self.options.similarity)
         except Exception as err:  # a plot must never stop the run
             log(WARNING, "FEDORA: could not plot the similarity matrix: %s", err)
 
@@ -182,12 +182,12 @@ class FEDORA(PersonalizedStrategy):
         assert self.w is not None and self.cosine_sum is not None
         return {
             "clients": list(self.client_ids),
-            "form": self.fedora.similarity,
-            "top_k": self.fedora.top_k,
-            "temperature": self.fedora.temperature,
-            "basis_rank": self.fedora.basis_rank,
-            "basis_labels": self.fedora.basis_labels,
-            "alpha": self.fedora.alpha,
+            "form": self.options.similarity,
+            "top_k": self.options.top_k,
+            "temperature": self.options.temperature,
+            "basis_rank": self.options.basis_rank,
+            "basis_labels": self.options.basis_labels,
+            "alpha": self.options.alpha,
             "cosine_sum": self.cosine_sum.tolist(),
             "w": self.w.tolist(),
         }
@@ -223,12 +223,12 @@ class FEDORA(PersonalizedStrategy):
         rows = [self.theta.get(c, self.global_arrays) for c in ids]
         keys = [k for k in self.reference if np.issubdtype(self.reference[k].dtype, np.floating)
                 and all(k in r for r in rows)]
-        out = propagate_clients(rows, keys, self.w, self.fedora.alpha, isolated="keep")
+        out = propagate_clients(rows, keys, self.w, self.options.alpha, isolated="keep")
         for i, cid in enumerate(ids):
             own = self.theta.get(cid, self.global_arrays)
             self.personal[cid] = {**{k: v for k, v in own.items() if k not in out[i]}, **out[i]}
         log(INFO, "FEDORA: propagated %d tensors over %d clients (alpha=%g)", len(keys), len(ids),
-            self.fedora.alpha)
+            self.options.alpha)
 
     # ------------------------------------------------------------------ records
     def round_extras(self, server_round: int) -> dict[str, Any]:
@@ -236,7 +236,7 @@ class FEDORA(PersonalizedStrategy):
 
     def summary_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fedora": {
-            "options": dataclasses.asdict(self.fedora),
+            "options": dataclasses.asdict(self.options),
             "bases_known": len(self.bases),
             "graph_built": self.w is not None,
         }}

@@ -49,8 +49,8 @@ class PartialFedAdaptive(PersonalizedStrategy):
     def latest_gates(self) -> dict[str, dict[str, float]]:
         """Each client's most recent probabilities of loading global, per unit."""
         out: dict[str, dict[str, float]] = {}
-        for rnd in sorted(self.gate_history):
-            out.update(self.gate_history[rnd])
+        for server_round in sorted(self.gate_history):
+            out.update(self.gate_history[server_round])
         return out
 
     def round_extras(self, server_round: int) -> dict[str, Any]:

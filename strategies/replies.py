@@ -235,25 +235,6 @@ class TrainReplies:
         return self.updates, self.log
 
 
-def parse_train_replies(
-    replies: Iterable[Message],
-    sent: Mapping[str, NDArrays],
-    sender_of: Callable[[Message], str],
-    reference: Mapping[str, np.ndarray],
-    *,
-    norm_bound: float = 0.0,
-    check_upload: Callable[[Mapping[str, np.ndarray]], str | None] = lambda arrays: None,
-    no_reply_reason: Callable[[], str] = lambda: "no reply",
-) -> tuple[list[ClientUpdate], RoundLog]:
-    """Validate a round's train replies (all at once) into ClientUpdates, and the round's log:
-    :class:`TrainReplies` over ``replies``, which may arrive in any order."""
-    received = TrainReplies(sent, sender_of, reference, norm_bound=norm_bound, check_upload=check_upload,
-                            no_reply_reason=no_reply_reason)
-    for msg in replies:
-        received.take(msg)
-    return received.finish()
-
-
 def parse_evaluation_replies(replies: Iterable[Message], asked: Iterable[str],
                              sender_of: Callable[[Message], str],
                              no_reply_reason: Callable[[], str] = lambda: "no reply") -> Evaluation:

@@ -7,6 +7,7 @@ obvious per-tensor computations, and the client against the FDSE privacy rule.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def test_absent_client_keeps_its_personal_state(two_rounds):
     assert changed, "clients of round 2 must receive a new personal mix"
     # checkpoint round trip keeps per-client state keyed by the stable id
     groups, meta = strat.state()
-    fresh = helpers.make_strategy(FDSE, strat.reference, ["0", "1", "2"], options=strat.options, model=strat.model)
+    fresh = helpers.make_strategy(FDSE, strat.reference, ["0", "1", "2"], options=dataclasses.asdict(strat.options), model=strat.model)
     fresh.load_state(groups, meta)
     for cid in ("0", "1", "2"):
         for k, v in strat.personal[cid].items():

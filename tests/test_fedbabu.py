@@ -128,7 +128,7 @@ def setup():
 def _rnd(cfg, data, cid, server_round, config):
     return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
-                       server_round=server_round, config=dict(config))
+                       server_round=server_round, message_config=dict(config))
 
 
 def test_three_rounds_head_bitwise_fixed_body_changes(setup):

@@ -49,7 +49,7 @@ def _round(cfg, cid: str = "0", server_round: int = 1, need: str = "") -> Client
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
-                       server_round=server_round, config={NEED_BASIS_KEY: need})
+                       server_round=server_round, message_config={NEED_BASIS_KEY: need})
 
 
 def _model(cfg, seed: int):

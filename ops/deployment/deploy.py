@@ -176,7 +176,6 @@ class Deployment:
     state_root: Path | None = None   # node i keeps client state in <state_root>/node-<i>
     link: SuperLink | None = None
     nodes: list[SuperNode] = field(default_factory=list)
-    extra: list[SuperNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -251,17 +250,6 @@ class Deployment:
         if out.returncode != 0 or "registered successfully" not in out.stdout:
             raise LaunchError(f"could not register {public_key}: {out.stdout}{out.stderr}")
 
-    def start_unregistered_node(self, index: int = 0, with_key: bool = True) -> SuperNode:
-        """A SuperNode whose key was never registered, or with no key at all (both are
-        refused in tls mode; Flower exits with code 305)."""
-        from ops.deployment.certs import make_node_keys
-
-        name = "unregistered" if with_key else "keyless"
-        key = make_node_keys(self.certs, name)[0] if with_key and self.secure else None
-        node = self._node(index, self.node_config(index), key, name)
-        self.extra.append(node)
-        return node.start()
-
     def link_alive(self) -> bool:
         return self.link is not None and self.link.proc is not None and self.link.proc.poll() is None
 
@@ -279,14 +267,8 @@ class Deployment:
             print(f"pflower deploy: stopped the runs the restarted SuperLink still counted as running: "
                   f"{', '.join(stopped)}", file=sys.stderr, flush=True)
 
-    def restart_node(self, index: int) -> SuperNode:
-        """Stop SuperNode ``index`` (its whole process group) and start it again, same config."""
-        node = self.nodes[index]
-        node.stop()
-        return node.start()
-
     def stop(self) -> None:
-        for node in [*self.nodes, *self.extra]:
+        for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.stop()
         if self.link is not None:
@@ -313,7 +295,7 @@ class Deployment:
         if self.link is not None:
             parts.append(f"\n--- SuperLink log ({self.link.workdir / 'superlink.log'}):\n"
                          + tail_of(self.link.workdir / "superlink.log", lines))
-        for node in [*self.nodes, *self.extra]:
+        for node in self.nodes:
             parts.append(f"\n--- SuperNode {node.index} log ({node.log_path}):\n" + tail_of(node.log_path, lines))
         return "".join(parts)
 
