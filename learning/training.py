@@ -318,7 +318,8 @@ def recompute_bn_statistics(model: nn.Module, train: Dataset, batch_size: int,
     combination of bases averaged over domains) carries statistics that are not those of its
     weights on its client's data; on a feature-shift tree that alone leaves a client far below
     training alone. Each layer averages its batch means and unbiased batch variances with
-    equal weight per batch (``momentum=None``, then restored)."""
+    equal weight per batch (``momentum=None``, then restored). A last batch of one sample
+    is left out: it has no variance (BatchNorm1d refuses it in train mode)."""
     layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     momenta = [layer.momentum for layer in layers]
     for layer in layers:
@@ -327,7 +328,8 @@ def recompute_bn_statistics(model: nn.Module, train: Dataset, batch_size: int,
     model.to(device).train()
     with torch.no_grad():
         for x, _ in make_loader(train, batch_size, shuffle=False, device=device):
-            model(x.to(device, non_blocking=True))
+            if len(x) > 1:
+                model(x.to(device, non_blocking=True))
     for layer, momentum in zip(layers, momenta, strict=True):
         layer.momentum = momentum
     return model.eval()

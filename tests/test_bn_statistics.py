@@ -41,6 +41,21 @@ def _batch_average(features: np.ndarray, batch_size: int) -> tuple[np.ndarray, n
     return np.mean(means, axis=0), np.mean(variances, axis=0)
 
 
+def test_recompute_leaves_out_a_last_batch_of_one() -> None:
+    """Nine samples in batches of 4: the last batch (one sample) has no variance and a
+    BatchNorm1d refuses it in train mode; the statistics are those of the first two batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
+    x = torch.randn(9, 3) * 2 + 1
+    recompute_bn_statistics(model, TensorDataset(x, torch.zeros(9, dtype=torch.long)), batch_size=4, device=CPU)
+    with torch.no_grad():
+        hidden = model[0](x[:8]).numpy()
+    mean, var = _batch_average(hidden, 4)
+    np.testing.assert_allclose(model[1].running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model[1].running_var.numpy(), var, rtol=1e-5, atol=1e-6)
+    assert int(model[1].num_batches_tracked) == 2
+
+
 def test_recompute_equals_the_per_batch_average_and_leaves_the_weights() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, momentum=0.3), nn.ReLU(), nn.Flatten(),
