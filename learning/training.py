@@ -318,17 +318,19 @@ def recompute_bn_statistics(model: nn.Module, train: Dataset, batch_size: int,
     combination of bases averaged over domains) carries statistics that are not those of its
     weights on its client's data; on a feature-shift tree that alone leaves a client far below
     training alone. Each layer averages its batch means and unbiased batch variances with
-    equal weight per batch (``momentum=None``, then restored). A last batch of one sample
-    is left out: it has no variance (BatchNorm1d refuses it in train mode)."""
+    equal weight per batch (``momentum=None``, then restored). In a model with a BatchNorm1d,
+    a last batch of one sample is left out: it has no variance, and BatchNorm1d refuses it in
+    train mode (a model without one keeps it: its BatchNorm2d layers average over the pixels)."""
     layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     momenta = [layer.momentum for layer in layers]
+    has_bn1d = any(isinstance(layer, nn.BatchNorm1d) for layer in layers)
     for layer in layers:
         layer.reset_running_stats()
         layer.momentum = None            # cumulative moving average: every batch weighs the same
     model.to(device).train()
     with torch.no_grad():
         for x, _ in make_loader(train, batch_size, shuffle=False, device=device):
-            if len(x) > 1:
+            if len(x) > 1 or not has_bn1d:
                 model(x.to(device, non_blocking=True))
     for layer, momentum in zip(layers, momenta, strict=True):
         layer.momentum = momentum

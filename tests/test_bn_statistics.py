@@ -43,7 +43,8 @@ def _batch_average(features: np.ndarray, batch_size: int) -> tuple[np.ndarray, n
 
 def test_recompute_leaves_out_a_last_batch_of_one() -> None:
     """Nine samples in batches of 4: the last batch (one sample) has no variance and a
-    BatchNorm1d refuses it in train mode; the statistics are those of the first two batches."""
+    BatchNorm1d refuses it in train mode; the statistics are those of the first two batches.
+    A model with BatchNorm2d only keeps it (three batches)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
     x = torch.randn(9, 3) * 2 + 1
@@ -54,6 +55,10 @@ def test_recompute_leaves_out_a_last_batch_of_one() -> None:
     np.testing.assert_allclose(model[1].running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(model[1].running_var.numpy(), var, rtol=1e-5, atol=1e-6)
     assert int(model[1].num_batches_tracked) == 2
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    recompute_bn_statistics(conv, TensorDataset(torch.randn(9, 1, 5, 5), torch.zeros(9, dtype=torch.long)),
+                            batch_size=4, device=CPU)
+    assert int(conv[1].num_batches_tracked) == 3
 
 
 def test_recompute_equals_the_per_batch_average_and_leaves_the_weights() -> None:
