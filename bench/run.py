@@ -4,7 +4,9 @@
     python -m bench.run              # bigger aggregation sizes (d up to 11.2M), more rounds
 
 (a) ``loop``: the plain PyTorch loop (``bench/plain_loop.py``) against ``pflower run`` on
-    the same FedAvg work: start-up to round 1 and seconds per round, as ratios.
+    the same FedAvg work, at 8 clients (the default run) and at FEDORA's 36: start-up to
+    round 1 and seconds per round, as ratios, and where a client message's time goes
+    (``bench/message_parts.py``).
 (b) ``aggregation``: FedAvg against FDSE's MGDA consensus and attention and FEDORA's
     propagation for K clients and d parameters: seconds, ratio to FedAvg, peak extra memory.
 (c) ``bytes``: bytes down / up per client in one round of every method, from the real
@@ -31,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.message_parts import MessageParts, markdown, read_summary
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -46,12 +50,13 @@ def machine() -> str:
 
 # ---------------------------------------------------------------------------------- (a)
 def _stream_rounds(cmd: list[str], metrics: Path | None, rounds: int, timeout: float,
-                   on_round: Callable[[int, int], None] | None = None) -> tuple[float, list[float]]:
+                   on_round: Callable[[int, int], None] | None = None,
+                   env: dict[str, str] | None = None) -> tuple[float, list[float]]:
     """Start ``cmd``; return (launch time, wall time each round was recorded). Rounds come
     from the command's JSON lines (plain loop) or from ``metrics`` (pflower's metrics.jsonl);
     ``on_round(pid, rounds seen)`` is called as each round of ``metrics`` appears."""
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[float] = []
     lines: list[str] = []
 
@@ -85,20 +90,25 @@ def _per_round(walls: list[float]) -> float:
     return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
 
 
-def bench_loop(rounds: int, overrides: list[str]) -> str:
+def bench_loop(rounds: int, overrides: list[str]) -> tuple[str, MessageParts]:
+    """The plain loop and ``pflower run`` on the same work, one after the other; the run with
+    ``PFLOWER_TIMING`` so that its client messages' parts come back too."""
     t0, plain = _stream_rounds([sys.executable, "-m", "bench.plain_loop", f"rounds={rounds}", *overrides],
-                               None, rounds, 600)
+                               None, rounds, 900)
     plain_round = _per_round(plain)
     plain_start = plain[0] - t0 - plain_round
     with tempfile.TemporaryDirectory() as tmp:
         run = "bench-sim"
         metrics = Path(tmp) / run / "metrics.jsonl"
+        timing = Path(tmp) / "timing"
         t1, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", f"rounds={rounds}", f"results_root={tmp}",
-                                  f"run_name={run}", *overrides], metrics, rounds, 900)
+                                  f"run_name={run}", *overrides], metrics, rounds, 1200,
+                                 env={**ENV, "PFLOWER_TIMING": str(timing)})
+        parts = read_summary(timing)
     sim_round = _per_round(sim)
     sim_start = sim[0] - t1 - sim_round
-    return "\n".join([
-        f"FedAvg, default config ({' '.join(overrides) or 'digits-domains, 8 clients, cnn'}), {rounds} rounds; "
+    table = "\n".join([
+        f"FedAvg, {' '.join(overrides) or 'default config (digits-domains, 8 clients, cnn)'}, {rounds} rounds; "
         "per round = (last round's end - first round's end) / (rounds - 1); start-up = launch to round 1's start.",
         "",
         "| | plain loop | pflower run (simulation) | ratio (target) |",
@@ -106,6 +116,16 @@ def bench_loop(rounds: int, overrides: list[str]) -> str:
         f"| seconds per round | {plain_round:.3f} | {sim_round:.3f} | {sim_round / plain_round:.2f}x (<= 1.3x) |",
         f"| start-up to round 1, s | {plain_start:.1f} | {sim_start:.1f} | {sim_start / plain_start:.2f}x (<= 2x) |",
     ])
+    return table, parts
+
+
+# the settings of (a): the default run, and FEDORA's 36 clients of an MLP (the paper's Rotated
+# MNIST shape, synthetic images, so that no dataset needs installing)
+LOOP_SETTINGS = {
+    "8 clients, cnn (default)": [],
+    "36 clients, mlp (FEDORA's Rotated MNIST)": ["experiment=fedora-rotated-mnist", "strategy=fedavg",
+                                                 "dataset.synthetic=true"],
+}
 
 
 # ---------------------------------------------------------------------------------- (b)
@@ -352,7 +372,13 @@ def main() -> None:
     only = set(args.only.split(","))
     print(f"# pflower benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}, {'--quick' if args.quick else 'full'}\n")
     if "a" in only:
-        print("## (a) simulation vs plain loop\n\n" + bench_loop(5 if args.quick else 20, args.set) + "\n", flush=True)
+        print("## (a) simulation vs plain loop\n", flush=True)
+        parts: dict[str, MessageParts] = {}
+        for label, overrides in LOOP_SETTINGS.items():
+            table, parts[label] = bench_loop(5 if args.quick else 20, [*overrides, *args.set])
+            print(f"### {label}\n\n{table}\n", flush=True)
+        print("### Where a client message's time goes (rounds 2 on; bench/message_parts.py)\n\n"
+              + markdown(parts) + "\n", flush=True)
     if "b" in only:
         sizes = [(10, 1_000_000), (100, 1_000_000), (500, 100_000)] if args.quick else \
             [(10, 1_000_000), (100, 1_000_000), (500, 1_000_000), (10, 11_200_000), (100, 11_200_000)]

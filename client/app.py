@@ -11,7 +11,6 @@ process of its own.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from flwr.app import Context, Message
@@ -19,23 +18,25 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from client.identity import identify
-from client.timing import process_age, profiled
+from common.timing import process_age, profiled, timed_message
 
 _AGE_AT_IMPORT = process_age()
 
 
 def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
-    """With ``PFLOWER_TIMING=1``: where a message's time goes in this ClientApp process
-    (``PFLOWER_PROFILE=<folder>`` also writes a cProfile file per message there).
+    """With ``PFLOWER_TIMING``: where a message's time goes in this ClientApp process
+    (``common/timing.py``; ``PFLOWER_PROFILE=<folder>`` also writes a cProfile file per message).
     Under plain ``flower-supernode`` Flower starts one process per message, so the process
     age when the handler starts is the per-message start-up cost (Python, Flower, FAB, task
     pull, our imports); under ``pflower-supernode`` it is the age of the node's runner, which
-    also logs its seconds per task. The handler's own seconds are the work. ``loaded`` = the process age when this module had been
-    imported (Python, Flower's start and ours)."""
-    age, t0 = process_age(), time.perf_counter()
-    reply = profiled(lambda: call_next(msg, context), msg.metadata.message_type)
-    log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s",
-        msg.metadata.message_type, _AGE_AT_IMPORT, age, time.perf_counter() - t0)
+    also logs its seconds per task. The handler's own seconds are the work. ``loaded`` = the
+    process age when this module had been imported (Python, Flower's start and ours)."""
+    kind = msg.metadata.message_type
+    age = process_age()
+    reply, line = timed_message(lambda: profiled(lambda: call_next(msg, context), kind), kind)
+    log(20, "pflower timing: %s message: process age %.2f s when loaded, %.2f s at the handler; handler %.2f s%s",
+        kind, _AGE_AT_IMPORT, age, line["handler_s"],
+        "".join(f", {name} {seconds:.3f}" for name, seconds in line["parts"].items()))
     return reply
 
 

@@ -32,6 +32,7 @@ from common.protocol import (
     make_reply,
     to_record,
 )
+from common.timing import note, part
 from learning.data_cache import load_client_data, resolve_cache_dir
 from learning.models import resolve_device, set_deterministic
 
@@ -51,26 +52,30 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
 
 
 def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
-    cfg = client_config(context)
-    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
-    # the client this message is for (a simulated node may serve several, client/identity.py)
-    client_id = client_id_of(context, server_cfg)
-    # only this client's split, from the on-disk cache after the first process built it
-    split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
-    run_name = str(server_cfg.get("run-name", cfg.run_name))
-    set_deterministic(bool(cfg.deterministic))
-    rnd = ClientRound(
-        cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
-        input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
-        server_round=int(server_cfg.get("server-round", 0)), message_config=server_cfg,
-    )
-    # context.state (the in-memory copy of the state) is the node's: a simulation runs two
-    # messages for one node at once and keeps whichever context comes back last, which may
-    # hold an older state of another client. A node serving several clients reads from disk.
-    store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
-                             None if serves_several(context.node_config, len(info.client_ids)) else context.state,
-                             checkpoint_every=int(cfg.checkpoint_every))
-    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
+    with part("config"):
+        cfg = client_config(context)
+        server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
+        # the client this message is for (a simulated node may serve several, client/identity.py)
+        client_id = client_id_of(context, server_cfg)
+    with part("data"):
+        # only this client's split, from the on-disk cache after the first process built it
+        split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
+    with part("config"):
+        run_name = str(server_cfg.get("run-name", cfg.run_name))
+        set_deterministic(bool(cfg.deterministic))
+        rnd = ClientRound(
+            cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
+            input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
+            server_round=int(server_cfg.get("server-round", 0)), message_config=server_cfg,
+        )
+        note(server_round=rnd.server_round, client_id=client_id)
+        # context.state (the in-memory copy of the state) is the node's: a simulation runs two
+        # messages for one node at once and keeps whichever context comes back last, which may
+        # hold an older state of another client. A node serving several clients reads from disk.
+        store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
+                                 None if serves_several(context.node_config, len(info.client_ids)) else context.state,
+                                 checkpoint_every=int(cfg.checkpoint_every))
+        trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
     return trainer, rnd, store
 
 
@@ -84,26 +89,31 @@ def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
 
 def train(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
-    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+    with part("decode"):
+        payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
     scope = _state_scope(rnd, context)
-    state, meta = store.load(max_round=rnd.server_round - 1, **scope)
+    with part("state load"):
+        state, meta = store.load(max_round=rnd.server_round - 1, **scope)
     evaluation = None
     if rnd.message_config.get(EVALUATE_ROUND) is not None:
         # the previous round's evaluation, riding on this message: the payload and the state
         # are exactly what that round's evaluate message would have met (nothing changes in
         # between), so the numbers are the same and a message (a process, in a deployment)
         # is saved
-        evaluation = _evaluate_round(trainer, rnd, int(rnd.message_config[EVALUATE_ROUND]), payload, state)
-    result = trainer.fit(rnd, payload, state)
-    store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
-                              # the rounds this state went through (survives SuperNode restarts)
-                              "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
-               server_round=rnd.server_round, attempt=scope["attempt"])
-    upload = result.upload
-    extra = {k: to_record(v) for k, v in result.extra.items()}
-    reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
-    if evaluation is not None:
-        add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
+        with part("evaluate"):
+            evaluation = _evaluate_round(trainer, rnd, int(rnd.message_config[EVALUATE_ROUND]), payload, state)
+    result = trainer.fit(rnd, payload, state)   # its parts: model build, train, upload
+    with part("state save"):
+        store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
+                                  # the rounds this state went through (survives SuperNode restarts)
+                                  "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
+                   server_round=rnd.server_round, attempt=scope["attempt"])
+    with part("encode"):
+        upload = result.upload
+        extra = {k: to_record(v) for k, v in result.extra.items()}
+        reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
+        if evaluation is not None:
+            add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
     return reply
 
 
@@ -123,9 +133,14 @@ def _evaluation(trainer: Any, rnd: ClientRound, payload: dict[str, np.ndarray],
 
 def evaluate(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
-    payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
-    state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
-    return make_reply(msg, {}, _evaluation(trainer, rnd, payload, state), rnd.client_id, len(rnd.data.test))
+    with part("decode"):
+        payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+    with part("state load"):
+        state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
+    with part("evaluate"):
+        metrics = _evaluation(trainer, rnd, payload, state)
+    with part("encode"):
+        return make_reply(msg, {}, metrics, rnd.client_id, len(rnd.data.test))
 
 
 # what each message type runs (client/app.py dispatches on it)

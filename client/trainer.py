@@ -25,6 +25,7 @@ from torch import nn
 
 from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
+from common.timing import part
 from learning.data import ClientSplit
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
@@ -212,12 +213,15 @@ class ClientTrainer:
 
     def fit(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> FitResult:
         """One training round: the steps above, in order (methods override steps, not this)."""
-        work = LocalRound(rnd, self.receive(rnd, payload, state), state, {})
-        work.model = self.start_model(work).to(rnd.device)
-        work.roles = self.roles(work.model)
-        work.metrics = self.train(work)
-        upload, extra = self.upload(work)
-        return FitResult(upload, work.metrics, self.private_state(work), rnd.data.num_train, extra)
+        with part("model build"):
+            work = LocalRound(rnd, self.receive(rnd, payload, state), state, {})
+            work.model = self.start_model(work).to(rnd.device)
+            work.roles = self.roles(work.model)
+        with part("train"):
+            work.metrics = self.train(work)
+        with part("upload"):
+            upload, extra = self.upload(work)
+            return FitResult(upload, work.metrics, self.private_state(work), rnd.data.num_train, extra)
 
     def evaluate(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
         """Step 5: personalised accuracy (``accuracy``, ``val_accuracy``) and, where the

@@ -380,6 +380,13 @@ def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
     return " ".join(f"{k}={json.dumps(str(v))}" for k, v in items.items())
 
 
+def _unexpanded_sweeps() -> tuple[Any, ...]:
+    from hydra.core.override_parser.types import ValueType
+
+    # glob(...) names config files and interval(...) asks a sampler: neither is a list of runs
+    return (ValueType.GLOB_CHOICE_SWEEP, ValueType.INTERVAL_SWEEP)
+
+
 def expand_grid(overrides: list[str]) -> list[list[str]]:
     """Hydra's sweep syntax, expanded as its basic sweeper does: ``a=1,2 b=x`` -> [[a=1, b=x],
     [a=2, b=x]]; ``seed=range(0,3)``; ``'x,y'`` and ``[x,y]`` are one value. A swept value is
@@ -390,8 +397,7 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
         override = parse_override(text)
         if not override.is_sweep_override():
             axes.append([text])
-        elif override.is_hydra_override() or "glob" in str(override.value_type).lower() \
-                or "interval" in str(override.value_type).lower():
+        elif override.is_hydra_override() or override.value_type in _unexpanded_sweeps():
             raise ConfigError(f"override {text!r}: pflower sweeps comma lists and range(); list the values "
                               "(e.g. strategy=fedavg,fedbn)")
         else:

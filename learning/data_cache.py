@@ -21,10 +21,12 @@ data; nothing is lost).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,10 +88,16 @@ def resolve_cache_dir(setting: str) -> Path | None:
 def cache_key(dataset_cfg: Mapping[str, Any], seed: int) -> str:
     h = hashlib.sha256(_freeze(_plain(dataset_cfg)).encode())
     h.update(f"\0seed={int(seed)}\0torch={torch.__version__}\0".encode())
-    here = Path(__file__).parent
-    for name in _SOURCES:
-        h.update((here / name).read_bytes())
+    h.update(_sources_digest())
     return h.hexdigest()[:24]
+
+
+@functools.cache
+def _sources_digest() -> bytes:
+    """The code a split depends on, read once per process (a client process asks for its key
+    with every message; the code it runs does not change under it)."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _SOURCES)).digest()
 
 
 def _split_arrays(split: ClientSplit) -> dict[str, np.ndarray] | None:
@@ -183,13 +191,18 @@ def load_data_summary(dataset_cfg: Mapping[str, Any], seed: int,
     return fill_cache(dataset_cfg, seed, cache_dir)
 
 
-_IN_PROCESS: dict[tuple[str, str], tuple[ClientSplit, DataInfo]] = {}   # a simulation actor reads once
+# the splits a simulation actor has read, newest use last, up to IN_PROCESS_BYTES of arrays: an
+# actor serves its clients in turn, round after round, and reads each from disk once
+_IN_PROCESS: OrderedDict[tuple[str, str], tuple[ClientSplit, DataInfo, int]] = OrderedDict()
+IN_PROCESS_BYTES = 512 << 20
 
 
 def _read_cache(folder: Path, client_id: str) -> tuple[ClientSplit, DataInfo] | None:
-    hit = _IN_PROCESS.get((str(folder), client_id))
+    key = (str(folder), client_id)
+    hit = _IN_PROCESS.get(key)
     if hit is not None:
-        return hit
+        _IN_PROCESS.move_to_end(key)
+        return hit[0], hit[1]
     info_path, split_path = folder / "info.json", folder / f"{client_id}.npz"
     if not (info_path.is_file() and split_path.is_file()):
         return None
@@ -201,11 +214,12 @@ def _read_cache(folder: Path, client_id: str) -> tuple[ClientSplit, DataInfo] | 
         return None
     info = DataInfo(str(raw["name"]), int(raw["num_classes"]), tuple(raw["input_shape"]),
                     tuple(raw["client_ids"]), tuple(raw["new_client_ids"]))
-    out = _split_from_arrays(client_id, arrays, meta), info
-    if len(_IN_PROCESS) >= 64:
-        _IN_PROCESS.clear()
-    _IN_PROCESS[(str(folder), client_id)] = out
-    return out
+    split = _split_from_arrays(client_id, arrays, meta)
+    size = sum(a.nbytes for a in arrays.values())
+    _IN_PROCESS[key] = (split, info, size)
+    while sum(entry[2] for entry in _IN_PROCESS.values()) > IN_PROCESS_BYTES and len(_IN_PROCESS) > 1:
+        _IN_PROCESS.popitem(last=False)   # the split used longest ago
+    return split, info
 
 
 def load_client_data(dataset_cfg: Mapping[str, Any], seed: int, client_id: str,

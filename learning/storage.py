@@ -38,14 +38,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename, so that a reader sees
+    the old file or the new one, never part of one. ``durable``: on disk (fsync) before the
+    rename, so that the new file survives a machine crash too; a file derived from another
+    (a sidecar) skips it, since a process kill keeps what was written either way."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -78,9 +83,11 @@ def save_arrays_file(path: Path, arrays: Mapping[str, np.ndarray], meta: dict[st
     header = {"meta": meta, "sha256": arrays_digest(plain, meta)}
     buf = io.BytesIO()
     np.savez(buf, **plain, **{META_MEMBER: np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)})
-    atomic_write_bytes(path, buf.getvalue())
-    record = {"sha256": _sha256(path), "keys": sorted(plain), "meta": meta}
-    atomic_write_bytes(path.with_suffix(".json"), json.dumps(record, indent=1).encode())
+    data = buf.getvalue()
+    atomic_write_bytes(path, data)
+    # the json copy is derived (the npz carries its own metadata and digest): written, not synced
+    record = {"sha256": hashlib.sha256(data).hexdigest(), "keys": sorted(plain), "meta": meta}
+    atomic_write_bytes(path.with_suffix(".json"), json.dumps(record, indent=1).encode(), durable=False)
 
 
 def _open_npz(path: Path) -> Any:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from common.flower_compat import send_and_receive
 from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
+from common.timing import note, part, timed
 from server.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -69,43 +70,63 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
     if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
         fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
     for server_round in range(start, rounds + 1):
-        t0 = time.monotonic()
+        with timed("round", role="server"):
+            note(server_round=server_round)
+            latest = _one_round(strategy, grid, cfg, recorder, server_round, rounds, base_config, identity,
+                                fused, latest)
+    return rounds
+
+
+def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, recorder: RunRecorder,
+               server_round: int, rounds: int, base_config: dict[str, Any], identity: dict[str, Any],
+               fused: FusedEvaluation, latest: tuple[int, dict[str, Any]] | None
+               ) -> tuple[int, dict[str, Any]] | None:
+    """One round: train (carrying the previous round's evaluation), aggregate, evaluate where
+    due, record, checkpoint. Returns the last evaluation known, as ``latest``."""
+    t0 = time.monotonic()
+    with part("configure"):
         messages = list(strategy.configure_train(server_round, to_record(strategy.global_arrays),
                                                  ConfigRecord({**base_config, **fused.train_config()}), grid))
         # each reply is validated as it arrives, and folded into the mean at once when the
         # round's replies would not fit side by side (strategy.streams_round)
         receiver = strategy.receive_train(server_round)
+    with part("replies"):   # the clients' work, and each reply taken in as it arrives
         replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout), on_reply=receiver.take)
-        del messages
-        pending = fused.take()
-        if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
+    del messages
+    pending = fused.take()
+    if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
+        with part("evaluate"):
             carried = _evaluate(strategy, grid, cfg, base_config, pending, replies)
-            recorder.attach_evaluation(pending, carried)
-            latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
+        recorder.attach_evaluation(pending, carried)
+        latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
+    with part("aggregate"):
         result = strategy.aggregate_round(server_round, receiver)
-        comm = result.log
-        record: dict[str, Any] = {
-            "round": server_round,
-            "train": result.metrics,
-            "communication": {"bytes_up": comm.bytes_up, "bytes_down": comm.bytes_down},
-            "sampled": comm.sampled,
-            "failed": comm.failed,
-            "rejected": comm.rejected,
-        }
-        if _is_eval_round(server_round, cfg) and not fused.defer(server_round):
+    comm = result.log
+    record: dict[str, Any] = {
+        "round": server_round,
+        "train": result.metrics,
+        "communication": {"bytes_up": comm.bytes_up, "bytes_down": comm.bytes_down},
+        "sampled": comm.sampled,
+        "failed": comm.failed,
+        "rejected": comm.rejected,
+    }
+    if _is_eval_round(server_round, cfg) and not fused.defer(server_round):
+        with part("evaluate"):
             record.update(_evaluate(strategy, grid, cfg, base_config, server_round))
+    with part("record"):
         record.update(strategy.round_extras(server_round))
         recorder.log_round(record)
-        if record.get("evaluate"):
-            latest = (server_round, record["evaluate"])
-        log(INFO, "%s", round_line(server_round, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
-                                   latest, fused.pending))
-        if int(cfg.checkpoint_every) > 0 and (server_round % int(cfg.checkpoint_every) == 0 or server_round == rounds):
+    if record.get("evaluate"):
+        latest = (server_round, record["evaluate"])
+    log(INFO, "%s", round_line(server_round, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
+                               latest, fused.pending))
+    if int(cfg.checkpoint_every) > 0 and (server_round % int(cfg.checkpoint_every) == 0 or server_round == rounds):
+        with part("checkpoint"):
             rng_arrays, rng_meta = rng_state_groups()
             groups, meta = strategy.state()
             save_checkpoint(recorder.dir, server_round, {**groups, "_rng": rng_arrays},
                             {**identity, "strategy_state": meta, "rng_state": rng_meta})
-    return rounds
+    return latest
 
 
 def round_line(server_round: int, rounds: int, seconds: float, trained: int, sampled: int,

@@ -345,6 +345,25 @@ def test_corrupt_client_state_is_reported_not_loaded(tmp_path: Path) -> None:
     assert load_arrays_file(tmp_path / "x.npz")[0]["a"].tolist() == [0, 1, 2]
 
 
+def test_a_state_file_is_synced_once_and_its_json_copy_names_its_digest(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The npz (arrays, metadata, digest) is on disk before it replaces the old one; its json
+    copy, derived from it, is written without a sync of its own (one fsync per save) and holds
+    the SHA-256 of the npz's bytes, as a reader of the older format checks."""
+    import hashlib
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    path = tmp_path / "state-r000001.npz"
+    save_arrays_file(path, {"w": np.arange(6.0)}, {"round": 1})
+    assert len(synced) == 1
+    record = json.loads(path.with_suffix(".json").read_text())
+    assert record["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert record["keys"] == ["w"] and record["meta"] == {"round": 1}
+    assert load_arrays_file(path)[0]["w"].tolist() == list(np.arange(6.0))
+
+
 # ---------------------------------------------------------------- no pickle
 def test_no_pickle_anywhere() -> None:
     bad = []

@@ -56,6 +56,13 @@ def test_a_bad_override_is_refused_by_name(overrides: list[str], message: str) -
         compose_config({}, overrides)
 
 
+@pytest.mark.parametrize("text", ["strategy=glob(fed*)", "train.lr=interval(0.001,0.1)",
+                                  "hydra.job.chdir=true,false"])
+def test_a_sweep_that_names_no_list_of_runs_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="pflower sweeps comma lists and range"):
+        expand_grid([text, "seed=0,1"])
+
+
 def test_tune_grid_axes_are_hydra_sweeps() -> None:
     assert GridAxis.parse("fedprox:strategy.mu=0.01,0.1") == GridAxis("strategy.mu", ("0.01", "0.1"), "fedprox")
     assert GridAxis.parse("train.epochs=range(1,3)") == GridAxis("train.epochs", ("1", "2"))

@@ -47,8 +47,8 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from client.timing import profiled
 from common.flower_compat import run_clientapp_task, shorten_object_pull_backoff
+from common.timing import profiled
 from ops.deployment.launch import pid_alive
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
