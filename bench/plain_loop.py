@@ -1,7 +1,8 @@
 """The reference the simulation is measured against: the same FedAvg work in one process,
 plain PyTorch and numpy, no Flower: the same config, data, model, local training function
 (``ClientTrainer.fit``), aggregation (``weighted_mean``) and evaluation of every client
-every round (``ClientTrainer.evaluate``).
+every round (``ClientTrainer.evaluate``), each client's split read as the simulation's
+clients read it (``load_client_data``, from the data cache).
 
     python -m bench.plain_loop rounds=5 [more Hydra overrides]
 
@@ -21,6 +22,7 @@ def main(argv: list[str]) -> None:
     from common.config import compose_config
     from common.methods import build_method_model, trainer_class
     from learning.data import load_federated_data
+    from learning.data_cache import load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean
     from learning.training import seed_everything
@@ -29,6 +31,10 @@ def main(argv: list[str]) -> None:
     if str(cfg.strategy.name) != "fedavg":
         raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")
     data = load_federated_data(cfg.dataset, int(cfg.seed))
+    # each client's split as the simulation's clients read it (from the data cache: tensors in
+    # memory, e.g. synthetic images made once, not on every read), so both train on the same
+    cache = resolve_cache_dir(str(cfg.data_cache))
+    splits = {cid: load_client_data(cfg.dataset, int(cfg.seed), cid, cache)[0] for cid in data.client_ids}
     device = resolve_device(str(cfg.device))
     set_deterministic(bool(cfg.get("deterministic", False)))
     seed_everything(int(cfg.seed))
@@ -39,7 +45,7 @@ def main(argv: list[str]) -> None:
     for r in range(1, int(cfg.rounds) + 1):
         uploads, sizes = [], []
         for cid in data.client_ids:
-            rnd = ClientRound(cfg, cid, data.client(cid), data.num_classes, data.input_shape, device, r,
+            rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
                               {"server-round": r})
             result = trainer.fit(rnd, global_arrays, states.get(cid, {}))
             states[cid] = result.state
@@ -48,7 +54,7 @@ def main(argv: list[str]) -> None:
         global_arrays = {**global_arrays, **weighted_mean(uploads, [float(s) for s in sizes])}
         accuracies = []
         for cid in data.client_ids:
-            rnd = ClientRound(cfg, cid, data.client(cid), data.num_classes, data.input_shape, device, r,
+            rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
                               {"server-round": r, "final": r == int(cfg.rounds)})
             accuracies.append(trainer.evaluate(rnd, global_arrays, states[cid])["accuracy"])
         print(json.dumps({"round": r, "wall": time.time(),

@@ -272,6 +272,26 @@ def test_a_superlink_that_fails_to_start_is_retried_once_then_named(monkeypatch:
     assert "SuperLink says: out of memory" in text and "failed twice" in text
 
 
+def test_a_superlink_interrupted_while_it_starts_is_stopped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ctrl-C (or the SIGTERM of a `timeout`) while the SuperLink starts: it runs in a session
+    of its own and ``with SuperLink()`` never reached its exit, so ``start`` stops it (one was
+    found still running after `timeout` stopped eight runs that were starting)."""
+    from ops.deployment import launch
+
+    monkeypatch.setattr(launch.SuperLink, "command", lambda self: [sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def interrupted(*_args: object, **_kw: object) -> None:
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(launch, "wait_for_port", interrupted)
+    link = launch.SuperLink(workdir=tmp_path / "link")
+    with pytest.raises(KeyboardInterrupt):
+        with link:
+            pytest.fail("the body never runs")
+    assert link.proc is not None
+    assert link.proc.wait(timeout=10) is not None   # stopped, not left running
+
+
 def test_temporary_folders_are_removed_keys_first_or_kept_when_asked(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
     from ops.deployment import launch

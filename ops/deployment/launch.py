@@ -212,6 +212,15 @@ class SuperLink:
         under load, or a port taken between choosing and binding it) is retried once on
         fresh ports (on the same ports with ``keep_ports``: a restart that SuperNodes must
         find again); the error names the cause, the ports and the SuperLink's own output."""
+        try:
+            return self._start(timeout, attempts, keep_ports)
+        except BaseException:
+            # e.g. Ctrl-C or SIGTERM while it starts: the SuperLink runs in a session of its
+            # own, so nothing else would stop it (``with SuperLink()`` never reached __exit__)
+            self.stop()
+            raise
+
+    def _start(self, timeout: float, attempts: int, keep_ports: bool) -> SuperLink:
         errors = []
         self.workdir.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, attempts + 1):
