@@ -7,8 +7,9 @@ message costs cannot be timed from the client, so it is what is left of the roun
 of ``n`` messages run by ``w`` worker processes, ``w`` x the round's length is the workers'
 time, and ``(w x length - sum of the handlers) / n`` is the time per message a worker was not
 in a handler (Flower's and Ray's hand-offs, its queues, the server's work between rounds while
-the workers wait). The server's share is also given on its own: from the round's last handler
-end to the next round's first handler start.
+the workers wait). The gap between rounds is also given on its own (the round's last handler
+end to the next round's first handler start: the server's work and the hand-offs both ways),
+and the server's own parts from its lines.
 
     python -m bench.message_parts <folder> [--first-round 2]
 """
@@ -39,7 +40,7 @@ class MessageParts:
     parts_ms: dict[str, float]
     handler_ms: float         # the whole handler (the parts plus what no part covers)
     outside_ms: float         # per message, a worker's time not in any handler
-    between_rounds_ms: float  # per round: last handler end to the next round's first start
+    between_rounds_ms: float  # per round: last handler end to the next round's first start (server + hand-offs)
     round_s: float            # mean round length (first start to the next round's first start)
     server_ms: dict[str, float] = field(default_factory=dict)   # per round, the server's parts
 
@@ -78,11 +79,13 @@ def read_summary(folder: Path, first_round: int = 2) -> MessageParts:
 
 
 def summarise(lines: Iterable[dict], first_round: int = 2) -> MessageParts:
-    """The training messages of rounds ``first_round`` .. last-but-one (a round's length runs to
-    the next round's first start, so the last round has none), summarised per message."""
+    """The messages of rounds ``first_round`` .. last-but-one (a round's length runs to the next
+    round's first start, so the last round has none), summarised per message."""
     by_round: dict[int, list[dict]] = defaultdict(list)
     for line in lines:
-        if line.get("type") == "train" and "server_round" in line:
+        # a round's messages: training (with the last round's evaluation, by default) and any
+        # evaluate message; a message that failed is left out (its time is not a message's)
+        if line.get("type") in ("train", "evaluate") and "server_round" in line and "error" not in line:
             by_round[int(line["server_round"])].append(line)
     rounds = sorted(r for r in by_round if r >= first_round and r + 1 in by_round)
     if not rounds:
@@ -117,7 +120,7 @@ def _order(name: str) -> int:
 
 
 def markdown(columns: dict[str, MessageParts]) -> str:
-    """One column per setting: ms per training message by part, then the totals."""
+    """One column per setting: ms per message by part, then the totals."""
     names = list(dict.fromkeys(k for s in columns.values() for k in s.parts_ms))
     head = "| ms per client message | " + " | ".join(columns) + " |"
     rows = [head, "|---" * (len(columns) + 1) + "|"]
@@ -132,7 +135,8 @@ def markdown(columns: dict[str, MessageParts]) -> str:
     row("**handler**", (s.handler_ms for s in columns.values()))
     row("**outside the handler** (hand-offs, queues, the server between rounds)",
         (s.outside_ms for s in columns.values()))
-    row("of a round: server, last reply to next message (ms a round)", (s.between_rounds_ms for s in columns.values()))
+    row("of a round: gap between rounds, last handler end to next start (server and hand-offs; ms a round)",
+        (s.between_rounds_ms for s in columns.values()))
     row("round, s", (s.round_s for s in columns.values()), "{:.3f}")
     row("worker processes", (s.workers for s in columns.values()), "{:.1f}")
     rows.append("| rounds / messages summarised | " + " | ".join(

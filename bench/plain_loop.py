@@ -21,8 +21,7 @@ def main(argv: list[str]) -> None:
     from client.trainer import ClientRound
     from common.config import compose_config
     from common.methods import build_method_model, trainer_class
-    from learning.data import load_federated_data
-    from learning.data_cache import load_client_data, resolve_cache_dir
+    from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean
     from learning.training import seed_everything
@@ -30,11 +29,13 @@ def main(argv: list[str]) -> None:
     cfg = compose_config({}, argv)
     if str(cfg.strategy.name) != "fedavg":
         raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    # each client's split as the simulation's clients read it (from the data cache: tensors in
-    # memory, e.g. synthetic images made once, not on every read), so both train on the same
+    # each client's split as the simulation's clients read it: from the data cache (filled
+    # here as `pflower run` fills it) when it holds this dataset, else as built
     cache = resolve_cache_dir(str(cfg.data_cache))
-    splits = {cid: load_client_data(cfg.dataset, int(cfg.seed), cid, cache)[0] for cid in data.client_ids}
+    data = fill_cache(cfg.dataset, int(cfg.seed), cache)
+    cached = cache is not None and (cache / cache_key(cfg.dataset, int(cfg.seed)) / "info.json").is_file()
+    splits = {cid: load_client_data(cfg.dataset, int(cfg.seed), cid, cache)[0] if cached else data.client(cid)
+              for cid in data.client_ids}
     device = resolve_device(str(cfg.device))
     set_deterministic(bool(cfg.get("deterministic", False)))
     seed_everything(int(cfg.seed))

@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from client.identity import identify
-from common.timing import process_age, profiled, timed_message
+from common.timing import process_age, profiled, timed_message, timing_enabled
 
 _AGE_AT_IMPORT = process_age()
 
@@ -41,9 +41,9 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
 
 
 def _mods() -> list[Any]:
-    """``timing_mod`` with ``PFLOWER_TIMING=1``; the tests' fault injection when they set
+    """``timing_mod`` with ``PFLOWER_TIMING`` (``1`` or a folder); the tests' fault injection when they set
     ``PFLOWER_FAULTS`` (``client/faults.py``; never part of a run's configuration)."""
-    mods: list[Any] = [timing_mod] if os.environ.get("PFLOWER_TIMING") else []
+    mods: list[Any] = [timing_mod] if timing_enabled() else []
     if os.environ.get("PFLOWER_FAULTS"):
         from client.faults import fault_injection_mod
 

@@ -40,8 +40,14 @@ def process_age() -> float:
         return float("nan")
 
 
+def timing_enabled() -> bool:
+    """``PFLOWER_TIMING`` set to anything but empty or ``0``."""
+    return os.environ.get("PFLOWER_TIMING", "") not in ("", "0")
+
+
 def timing_folder() -> Path | None:
-    """Where message parts are written (``PFLOWER_TIMING=<folder>``); None for ``1`` or unset."""
+    """Where message parts are written (``PFLOWER_TIMING=<folder>``); None for ``1``, ``0`` or
+    unset. ``pflower`` makes a relative folder absolute before it starts any process."""
     value = os.environ.get("PFLOWER_TIMING", "")
     return Path(value) if value not in ("", "0", "1") else None
 
@@ -50,15 +56,15 @@ def timing_folder() -> Path | None:
 def part(name: str) -> Iterator[None]:
     """Add the block's seconds to part ``name`` of the message being timed (nothing, at the
     cost of one check, when none is). Parts do not nest: each second is counted once."""
-    if _parts is None:
+    parts = _parts   # the block's own line, even if another block started meanwhile
+    if parts is None:
         yield
         return
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        if _parts is not None:
-            _parts[name] = _parts.get(name, 0.0) + time.perf_counter() - t0
+        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
 
 
 def note(**fields: Any) -> None:
@@ -80,6 +86,9 @@ def timed(kind: str, role: str = "client") -> Iterator[dict[str, Any]]:
     start, t0 = time.time(), time.perf_counter()
     try:
         yield line
+    except BaseException as err:
+        line["error"] = type(err).__name__   # kept, but never summarised as a normal message
+        raise
     finally:
         handler = time.perf_counter() - t0
         line.update({"start": start, "end": start + handler, "handler_s": handler, **_fields, "parts": _parts})
@@ -94,10 +103,11 @@ def _write(line: dict[str, Any], role: str) -> None:
     if folder is None:
         return
     try:
+        text = json.dumps(line, default=str) + "\n"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"{role}-{os.getpid()}.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-    except OSError as err:
+            f.write(text)
+    except (OSError, TypeError, ValueError) as err:
         from flwr.common.logger import log
 
         log(30, "pflower timing: cannot write to %s (%s); set PFLOWER_TIMING to a writable folder", folder, err)

@@ -191,8 +191,10 @@ def load_data_summary(dataset_cfg: Mapping[str, Any], seed: int,
     return fill_cache(dataset_cfg, seed, cache_dir)
 
 
-# the splits a simulation actor has read, newest use last, up to IN_PROCESS_BYTES of arrays: an
-# actor serves its clients in turn, round after round, and reads each from disk once
+# the splits a simulation actor has read, up to IN_PROCESS_BYTES of arrays: an actor serves its
+# clients in turn, round after round, and reads each from disk once. Past the bound a split is
+# not kept (the clients come back in a cycle, so dropping the oldest would drop the one needed
+# next and keep none useful), except that the splits of another dataset or seed go first.
 _IN_PROCESS: OrderedDict[tuple[str, str], tuple[ClientSplit, DataInfo, int]] = OrderedDict()
 IN_PROCESS_BYTES = 512 << 20
 
@@ -201,7 +203,6 @@ def _read_cache(folder: Path, client_id: str) -> tuple[ClientSplit, DataInfo] | 
     key = (str(folder), client_id)
     hit = _IN_PROCESS.get(key)
     if hit is not None:
-        _IN_PROCESS.move_to_end(key)
         return hit[0], hit[1]
     info_path, split_path = folder / "info.json", folder / f"{client_id}.npz"
     if not (info_path.is_file() and split_path.is_file()):
@@ -215,11 +216,18 @@ def _read_cache(folder: Path, client_id: str) -> tuple[ClientSplit, DataInfo] | 
     info = DataInfo(str(raw["name"]), int(raw["num_classes"]), tuple(raw["input_shape"]),
                     tuple(raw["client_ids"]), tuple(raw["new_client_ids"]))
     split = _split_from_arrays(client_id, arrays, meta)
-    size = sum(a.nbytes for a in arrays.values())
-    _IN_PROCESS[key] = (split, info, size)
-    while sum(entry[2] for entry in _IN_PROCESS.values()) > IN_PROCESS_BYTES and len(_IN_PROCESS) > 1:
-        _IN_PROCESS.popitem(last=False)   # the split used longest ago
+    _keep_in_process(key, split, info, sum(a.nbytes for a in arrays.values()))
     return split, info
+
+
+def _keep_in_process(key: tuple[str, str], split: ClientSplit, info: DataInfo, size: int) -> None:
+    """Keep a split read from disk if it fits in ``IN_PROCESS_BYTES`` (see ``_IN_PROCESS``)."""
+    kept = sum(entry[2] for entry in _IN_PROCESS.values())
+    if kept + size > IN_PROCESS_BYTES:
+        for other in [k for k in _IN_PROCESS if k[0] != key[0]]:   # another dataset's or seed's
+            kept -= _IN_PROCESS.pop(other)[2]
+    if kept + size <= IN_PROCESS_BYTES:
+        _IN_PROCESS[key] = (split, info, size)
 
 
 def load_client_data(dataset_cfg: Mapping[str, Any], seed: int, client_id: str,

@@ -728,6 +728,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def absolute_timing_folder() -> None:
+    """``PFLOWER_TIMING=<folder>`` as an absolute path: the processes a run starts (SuperLink,
+    ServerApp, Ray's workers) do not share this one's working directory."""
+    from common.timing import timing_folder
+
+    folder = timing_folder()
+    if folder is not None:
+        os.environ["PFLOWER_TIMING"] = str(folder.resolve())
+
+
 def install_signal_handlers() -> None:
     """Ctrl-C (SIGINT) and SIGTERM become KeyboardInterrupt, so every command stops the Flower
     processes it started. Python leaves SIGINT ignored when it was ignored at start-up (e.g. a
@@ -763,6 +773,7 @@ A run whose simulation dies is resumed from its checkpoint by itself (--max-reco
 
 def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
+    absolute_timing_folder()
     parser = argparse.ArgumentParser(prog="pflower", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

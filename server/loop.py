@@ -16,6 +16,7 @@ checkpoints and resume, and a final evaluation flagged ``final`` (fine-tune curv
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from logging import INFO
 from typing import Any
 
@@ -26,7 +27,7 @@ from omegaconf import DictConfig
 
 from common.flower_compat import send_and_receive
 from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
-from common.timing import note, part, timed
+from common.timing import note, part, timed, timing_folder
 from server.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -70,7 +71,9 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
     if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
         fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
     for server_round in range(start, rounds + 1):
-        with timed("round", role="server"):
+        # timed by part only when asked (PFLOWER_TIMING=<folder>): untimed, a client run in
+        # this process (a test's fake grid) adds nothing to a server line
+        with timed("round", role="server") if timing_folder() is not None else nullcontext():
             note(server_round=server_round)
             latest = _one_round(strategy, grid, cfg, recorder, server_round, rounds, base_config, identity,
                                 fused, latest)

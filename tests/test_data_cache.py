@@ -65,30 +65,37 @@ def test_the_key_follows_the_config_and_seed():
     assert len({cache_key(a, 0), cache_key(a, 1), cache_key(b, 0)}) == 3
 
 
-def test_a_process_keeps_the_splits_it_used_last_within_its_byte_bound(tmp_path, monkeypatch):
-    """A client process reads each split from disk once and keeps it while it fits: the one
-    used longest ago goes first when the kept arrays pass ``IN_PROCESS_BYTES``."""
+def test_a_process_keeps_the_splits_it_read_while_they_fit(tmp_path, monkeypatch):
+    """A client process reads each split from disk once and keeps it while the kept arrays
+    fit in ``IN_PROCESS_BYTES``; past that a split is read each time (clients come back in a
+    cycle, so keeping the newest would drop the one needed next), and another dataset's or
+    seed's splits make room first."""
     cfg = compose_config({}, []).dataset
     ids = list(build_federated_data(cfg, 0).clients)[:4]
     load_client_data(cfg, 0, ids[0], tmp_path)   # builds the dataset and fills the cache
-    data_cache._IN_PROCESS.clear()
-    for cid in ids:
-        load_client_data(cfg, 0, cid, tmp_path)
-    sizes = {key[1]: entry[2] for key, entry in data_cache._IN_PROCESS.items()}
-    assert list(sizes) == ids and all(size > 0 for size in sizes.values())
-    reads = []
+    reads: list[str] = []
     real_read = data_cache.load_arrays_file
     monkeypatch.setattr(data_cache, "load_arrays_file", lambda path: (reads.append(path.stem), real_read(path))[1])
-    load_client_data(cfg, 0, ids[0], tmp_path)   # kept: no read, and now the newest
-    assert reads == [] and list(k[1] for k in data_cache._IN_PROCESS) == [*ids[1:], ids[0]]
-    # room for three of them: reading one more drops the one used longest ago (ids[1])
-    monkeypatch.setattr(data_cache, "IN_PROCESS_BYTES", sum(sorted(sizes.values())[-3:]))
-    data_cache._IN_PROCESS.popitem(last=False)   # ids[1] out, so ids[1] is read again
-    load_client_data(cfg, 0, ids[1], tmp_path)
-    assert reads == [ids[1]]
-    assert sum(e[2] for e in data_cache._IN_PROCESS.values()) <= data_cache.IN_PROCESS_BYTES
-    assert [k[1] for k in data_cache._IN_PROCESS] == [*ids[3:], ids[0], ids[1]][-len(data_cache._IN_PROCESS):]
     data_cache._IN_PROCESS.clear()
+    try:
+        for cid in ids[:2]:
+            load_client_data(cfg, 0, cid, tmp_path)
+        sizes = [entry[2] for entry in data_cache._IN_PROCESS.values()]
+        assert reads == ids[:2] and len(sizes) == 2 and min(sizes) > 0
+        # room for these two only: the other two are read at every use, the two kept never again
+        monkeypatch.setattr(data_cache, "IN_PROCESS_BYTES", sum(sizes))
+        for _ in range(2):
+            for cid in ids:
+                load_client_data(cfg, 0, cid, tmp_path)
+        assert reads == [*ids[:2], *ids[2:], *ids[2:]]
+        assert [k[1] for k in data_cache._IN_PROCESS] == ids[:2]
+        # another seed's split: the first seed's make room for it
+        load_client_data(cfg, 1, ids[0], tmp_path)   # builds seed 1's cache
+        reads.clear()
+        load_client_data(cfg, 1, ids[1], tmp_path)
+        assert reads == [ids[1]] and [k[1] for k in data_cache._IN_PROCESS] == [ids[1]]
+    finally:
+        data_cache._IN_PROCESS.clear()
 
 
 def test_a_damaged_cache_file_is_rebuilt(tmp_path):

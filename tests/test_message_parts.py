@@ -54,10 +54,20 @@ def test_a_failing_message_is_still_closed_and_an_unwritable_folder_only_warns(
     with pytest.raises(RuntimeError, match="boom"):
         timing.timed_message(fails, "train")
     assert timing._parts is None   # the next message starts clean
+    monkeypatch.setenv("PFLOWER_TIMING", str(tmp_path / "timing"))
+    with pytest.raises(RuntimeError, match="boom"):
+        timing.timed_message(fails, "train")
+    (failed,) = read_lines(tmp_path / "timing")
+    assert failed["error"] == "RuntimeError" and set(failed["parts"]) == {"train"}
+    with pytest.raises(ValueError, match="run more rounds"):   # never summarised as a message
+        summarise([{**failed, "server_round": r} for r in (2, 3)])
+    monkeypatch.setenv("PFLOWER_TIMING", str(blocker / "timing"))
     _, line = timing.timed_message(lambda: None, "train")
     assert line["parts"] == {} and "cannot write to" in caplog.text
     monkeypatch.setenv("PFLOWER_TIMING", "1")   # 1: log only, no folder
-    assert timing.timing_folder() is None
+    assert timing.timing_enabled() and timing.timing_folder() is None
+    monkeypatch.setenv("PFLOWER_TIMING", "0")   # 0: off
+    assert not timing.timing_enabled() and timing.timing_folder() is None
 
 
 def _line(pid: int, rnd: int, start: float, handler: float, parts: dict[str, float]) -> dict:

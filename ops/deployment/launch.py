@@ -214,10 +214,13 @@ class SuperLink:
         find again); the error names the cause, the ports and the SuperLink's own output."""
         try:
             return self._start(timeout, attempts, keep_ports)
+        except LaunchError:
+            raise   # stopped already, each attempt
         except BaseException:
             # e.g. Ctrl-C or SIGTERM while it starts: the SuperLink runs in a session of its
             # own, so nothing else would stop it (``with SuperLink()`` never reached __exit__)
-            self.stop()
+            with contextlib.suppress(Exception):   # the interrupt is what the caller must see
+                self.stop()
             raise
 
     def _start(self, timeout: float, attempts: int, keep_ports: bool) -> SuperLink:

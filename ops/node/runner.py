@@ -48,7 +48,7 @@ from typing import Any
 from flwr.common.logger import log
 
 from common.flower_compat import run_clientapp_task, shorten_object_pull_backoff
-from common.timing import profiled
+from common.timing import profiled, timing_enabled
 from ops.deployment.launch import pid_alive
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
@@ -330,7 +330,7 @@ class Runner:
             except BaseException as err:   # e.g. a bad token: SystemExit from Flower's parser
                 log(ERROR, "pflower runner: task failed before it started: %r", err)
                 code = 1
-            if os.environ.get("PFLOWER_TIMING"):
+            if timing_enabled():
                 log(INFO, "pflower timing: task in the runner: %.2f s (exit code %d)", time.perf_counter() - t0, code)
             try:
                 conn.send_bytes(str(code).encode())
