@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.fdse import FDSETrainer
     from client.trainer import ClientRound, unprefixed
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
+    from common.methods import method_options
     from learning.data import load_federated_data
     from learning.params import get_arrays, set_arrays
     from server.app import build_strategy
@@ -82,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu = torch.device("cpu")
     cfg = compose_config({}, [*OVERRIDES, f"seed={args.seed}"])
     torch.manual_seed(args.seed)
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
     strategy = build_strategy(cfg, data)
     trainer = FDSETrainer(cfg)
+    options = method_options(cfg.strategy)
 
     def work(cid: str, server_round: int) -> ClientRound:
         return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     server.model, server.clients, server.device = fdse.PACSModel(), [SimpleNamespace(train_data=[0])] * 4, cpu
     server.init_algo_para = lambda defaults: server.__dict__.update(defaults)
     server.initialize()            # their key classes: shared ('dfe', 'head'), local, personal
-    server.tau = float(cfg.strategy.tau)
+    server.tau = options.tau
     load_theirs(server.model, strategy.global_arrays)
     ids = list(data.client_ids)
     server.client_states = [
@@ -158,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         client.__dict__.update(
             device=cpu, calculator=GeneralCalculator(cpu, optimizer_name="SGD"), get_batch_data=lambda: next(batches),
             num_steps=opt.epochs * len(replay), learning_rate=opt.lr, weight_decay=opt.weight_decay,
-            momentum=opt.momentum, clip_grad=float(cfg.train.clip), lmbd=float(cfg.strategy.lam),
-            beta=float(cfg.strategy.beta))
+            momentum=opt.momentum, clip_grad=run_settings(cfg).train.clip, lmbd=options.lam,
+            beta=options.beta)
         fdse.Client.train(client, client.model)
         return client.model.state_dict()
 

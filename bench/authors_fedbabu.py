@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.fedbabu import FedBABUTrainer
     from client.trainer import ClientRound
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
     from learning.data import load_federated_data
     from server.app import build_strategy
     from strategies.base import ClientUpdate
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                               "dataset.partition=dirichlet",   # unequal clients: a plain mean is not a weighted one
                               "dataset.augment=none",   # random crops would differ between the two replays
                               "model.bn_running_stats=false", f"seed={args.seed}"])
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
     strategy = build_strategy(cfg, data)
     trainer = FedBABUTrainer(cfg)
     their_net = CNNCifar(Namespace(num_classes=data.num_classes))

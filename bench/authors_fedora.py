@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.fedora import FEDORATrainer
     from client.trainer import MODEL_PREFIX, ClientRound
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
+    from common.methods import method_options
     from learning.data import load_federated_data
     from learning.models import build_model
     from learning.params import get_arrays
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from strategies.fedora_math import propagate, subspace_similarity
 
     cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated", f"seed={args.seed}"])
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    settings = run_settings(cfg)
+    data = load_federated_data(cfg.dataset, settings.run.seed)
     rnd = ClientRound(cfg=cfg, client_id="0", data=data.client("0"), num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=2)
     torch.manual_seed(args.seed)
@@ -66,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                 build_from(cfg, data, hat_arrays))
         result = trainer.fit(rnd, dict(hat_arrays), {MODEL_PREFIX + k: v for k, v in own_arrays.items()})
     replay, opt = replay_of(drawn), drawn["opt"]
-    val = [(x, y) for x, y in make_loader(rnd.data.val, int(cfg.train.batch_size), shuffle=False)]
+    val = [(x, y) for x, y in make_loader(rnd.data.val, settings.train.batch_size, shuffle=False)]
 
     # the authors' client on the same batches, from the same theta_k and theta_hat_k
-    their_args = Namespace(inner_lr=float(cfg.train.lr), inner_wd=float(cfg.train.weight_decay),
-                           inner_steps=int(cfg.train.local_epochs))
+    their_args = Namespace(inner_lr=settings.train.lr, inner_wd=settings.train.weight_decay,
+                           inner_steps=settings.train.local_epochs)
     theirs = LocalUpdateFEDORA(args=their_args, train_loader=replay, val_loader=val)
     with torch.no_grad():
         diff = float(theirs.get_loss(build_from(cfg, data, own_arrays), "cpu")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
              for c in data.client_ids]
     w = subspace_similarity(bases, form="code", top_k=2)
     theta = np.random.default_rng(args.seed).standard_normal((len(bases), 1000)).astype(np.float32)
-    ours = propagate(theta, w, float(cfg.strategy.alpha))
+    ours = propagate(theta, w, method_options(cfg.strategy).alpha)
     s = normalize_adj(torch.as_tensor(w, dtype=torch.float32))
     inv = (1 - 0.8) * torch.linalg.inv(torch.eye(len(bases)) - 0.8 * s)
     theirs_hat = (inv @ torch.as_tensor(theta)).numpy()

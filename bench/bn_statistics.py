@@ -25,27 +25,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from client.state import ClientStateStore
 from client.trainer import ClientRound
+from common.config import run_settings
 from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.training import evaluate
+from ops.personalize import load_run_config
 from server.app import build_strategy
 from server.checkpoint import CHECKPOINT, load_checkpoint
 
 
 def both_protocols(run: Path) -> dict[str, dict[str, float]]:
     """``{client: {"stored": acc, "own": acc}}`` of the run's final personal models (test split)."""
-    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
-    last, groups, meta = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
+    cfg = load_run_config(run)
+    settings = run_settings(cfg)
+    last, groups, meta = load_checkpoint(run, {"strategy": settings.strategy})
     groups.pop("_rng", None)
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    data = load_federated_data(cfg.dataset, settings.run.seed)
     strategy = build_strategy(cfg, data)
     strategy.load_state(groups, meta.get("strategy_state", {}))
-    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
-    state_root = Path(str(cfg.state_root) or run / "client_state")
+    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg)
+    state_root = Path(settings.run.state_root or run / "client_state")
     device = torch.device("cpu")
     out: dict[str, dict[str, float]] = {}
     for cid in data.client_ids:

@@ -19,7 +19,7 @@ import time
 
 def main(argv: list[str]) -> None:
     from client.trainer import ClientRound
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
     from common.methods import build_method_model, trainer_class
     from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
@@ -27,23 +27,25 @@ def main(argv: list[str]) -> None:
     from learning.training import seed_everything
 
     cfg = compose_config({}, argv)
-    if str(cfg.strategy.name) != "fedavg":
+    settings = run_settings(cfg)
+    run = settings.run
+    if settings.strategy != "fedavg":
         raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")
     # each client's split as the simulation's clients read it: from the data cache (filled
     # here as `pflower run` fills it) when it holds this dataset, else as built
-    cache = resolve_cache_dir(str(cfg.data_cache))
-    data = fill_cache(cfg.dataset, int(cfg.seed), cache)
-    cached = cache is not None and (cache / cache_key(cfg.dataset, int(cfg.seed)) / "info.json").is_file()
-    splits = {cid: load_client_data(cfg.dataset, int(cfg.seed), cid, cache)[0] if cached else data.client(cid)
+    cache = resolve_cache_dir(run.data_cache)
+    data = fill_cache(cfg.dataset, run.seed, cache)
+    cached = cache is not None and (cache / cache_key(cfg.dataset, run.seed) / "info.json").is_file()
+    splits = {cid: load_client_data(cfg.dataset, run.seed, cid, cache)[0] if cached else data.client(cid)
               for cid in data.client_ids}
-    device = resolve_device(str(cfg.device))
-    set_deterministic(bool(cfg.get("deterministic", False)))
-    seed_everything(int(cfg.seed))
+    device = resolve_device(run.device)
+    set_deterministic(run.deterministic)
+    seed_everything(run.seed)
     trainer = trainer_class("fedavg", cfg.strategy)(cfg)
     global_arrays = get_arrays(build_method_model(cfg, data.input_shape, data.num_classes))
     states: dict[str, dict] = {}
     print(json.dumps({"ready": time.time()}), flush=True)
-    for r in range(1, int(cfg.rounds) + 1):
+    for r in range(1, run.rounds + 1):
         uploads, sizes = [], []
         for cid in data.client_ids:
             rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> None:
         accuracies = []
         for cid in data.client_ids:
             rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
-                              {"server-round": r, "final": r == int(cfg.rounds)})
+                              {"server-round": r, "final": r == run.rounds})
             accuracies.append(trainer.evaluate(rnd, global_arrays, states[cid])["accuracy"])
         print(json.dumps({"round": r, "wall": time.time(),
                           "accuracy_mean": sum(accuracies) / len(accuracies)}), flush=True)

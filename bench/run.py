@@ -231,7 +231,7 @@ def bench_bytes(methods: list[str]) -> str:
     from flwr.supercore.task_identity import TaskIdentity
 
     from client import app as client_app
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
     from learning.data import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
@@ -248,7 +248,7 @@ def bench_bytes(methods: list[str]) -> str:
                           "overrides": "dataset.clients_per_domain=1 dataset.new_clients_per_domain=0 "
                                        "finetune.epochs=1"}
             cfg = compose_config(run_config)
-            data = load_federated_data(cfg.dataset, int(cfg.seed))
+            data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
             strategy = build_strategy(cfg, data)
             contexts = {cid: Context(run_id=1, node_id=int(cid) + 1,
                                      node_config={"partition-id": int(cid), "num-partitions": len(data.clients)},

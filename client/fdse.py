@@ -121,8 +121,8 @@ class FDSETrainer(ClientTrainer):
                 for k, d in (("epochs", o.adapt_epochs), ("lr", o.adapt_lr), ("adapt_on", o.adapt_on))}
         return adapt_unseen(model, shared_bn_stats(groups["global"]), rnd.data, rnd.device, beta=o.beta,
                             form=o.consistency_form, epochs=int(pick["epochs"]), lr=float(pick["lr"]),
-                            batch_size=int(self.cfg.train.batch_size), clip=float(self.cfg.train.clip),
-                            adapt_on=str(pick["adapt_on"]), seed=int(self.cfg.seed))
+                            batch_size=self.settings.train.batch_size, clip=self.settings.train.clip,
+                            adapt_on=str(pick["adapt_on"]), seed=self.settings.run.seed)
 
 
 # ---------------------------------------------------------------- unseen domains

@@ -129,7 +129,7 @@ class FedBasisTrainer(ClientTrainer):
         their scale differs from the weights'. Scaling (not fixing) it makes a learning-rate
         sweep move the coefficients' lr as it moves the baselines' whole-model lr."""
         coeff_lr = self.options.coeff_lr
-        return {COEFF_KEY: float(coeff_lr) / float(self.cfg.train.lr)} if coeff_lr else {}
+        return {COEFF_KEY: float(coeff_lr) / self.settings.train.lr} if coeff_lr else {}
 
     def new_client_model(self, rnd: ClientRound, payload: NDArrays,
                          mode: str) -> tuple[nn.Module, Callable[[str], bool]]:

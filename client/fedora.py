@@ -113,7 +113,7 @@ class FEDORATrainer(ClientTrainer):
         model.to(rnd.device).eval()
         total = torch.zeros((), dtype=torch.float64, device=rnd.device)
         with torch.no_grad():
-            for x, y in make_loader(rnd.data.val, int(self.cfg.train.batch_size), shuffle=False, device=rnd.device):
+            for x, y in make_loader(rnd.data.val, self.settings.train.batch_size, shuffle=False, device=rnd.device):
                 logits = model(x.to(rnd.device))
                 total += nn.functional.cross_entropy(logits, y.to(rnd.device)).to(torch.float64)
         return float(total)

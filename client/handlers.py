@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
 from client.trainer import ClientRound
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from common.methods import trainer_class
 from common.protocol import (
     ARRAYS_KEY,
@@ -47,7 +47,8 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
     node_dir = context.node_config.get("state-dir")
     if node_dir:
         return Path(str(node_dir)) / run_name / client_id
-    root = Path(cfg.state_root) if cfg.state_root else Path(cfg.results_root) / run_name / "client_state"
+    run = run_settings(cfg).run
+    root = Path(run.state_root) if run.state_root else Path(run.results_root) / run_name / "client_state"
     return root / client_id
 
 
@@ -57,15 +58,17 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
         # the client this message is for (a simulated node may serve several, client/identity.py)
         client_id = client_id_of(context, server_cfg)
+        settings = run_settings(cfg)
+        run = settings.run
     with part("data"):
         # only this client's split, from the on-disk cache after the first process built it
-        split, info = load_client_data(cfg.dataset, int(cfg.seed), client_id, resolve_cache_dir(str(cfg.data_cache)))
+        split, info = load_client_data(cfg.dataset, run.seed, client_id, resolve_cache_dir(run.data_cache))
     with part("config"):
-        run_name = str(server_cfg.get("run-name", cfg.run_name))
-        set_deterministic(bool(cfg.deterministic))
+        run_name = str(server_cfg.get("run-name", run.run_name))
+        set_deterministic(run.deterministic)
         rnd = ClientRound(
             cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
-            input_shape=info.input_shape, device=resolve_device(str(cfg.device)),
+            input_shape=info.input_shape, device=resolve_device(run.device),
             server_round=int(server_cfg.get("server-round", 0)), message_config=server_cfg,
         )
         note(server_round=rnd.server_round, client_id=client_id)
@@ -74,8 +77,8 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         # hold an older state of another client. A node serving several clients reads from disk.
         store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
                                  None if serves_several(context.node_config, len(info.client_ids)) else context.state,
-                                 checkpoint_every=int(cfg.checkpoint_every))
-        trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
+                                 checkpoint_every=run.checkpoint_every)
+        trainer = trainer_class(settings.strategy, cfg.strategy)(cfg)
     return trainer, rnd, store
 
 

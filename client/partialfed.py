@@ -120,7 +120,7 @@ class PartialFedAdaptiveTrainer(PartialFedFixTrainer):
         names = list(units)
         index = {k: names.index(u) for k, u in unit_of(units).items()}
         logits = torch.tensor(self.initial_logits(work.state, names), device=rnd.device, requires_grad=True)
-        tau = anneal_tau(rnd.server_round, int(self.cfg.rounds), o.tau_start, o.tau_end, o.tau_schedule)
+        tau = anneal_tau(rnd.server_round, self.settings.run.rounds, o.tau_start, o.tau_end, o.tau_schedule)
         opt = self.optim(rnd)
         metrics = train_gated(local, glob, logits, index, rnd.data.train, opt, rnd.device, tau,
                               o.model_batches, o.strategy_batches, o.gate_lr or opt.lr, seed=rnd.seed)

@@ -23,8 +23,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from common.config import run_settings
 from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
+from common.settings import Settings
 from common.timing import part
 from learning.data import ClientSplit
 from learning.models import parameter_groups
@@ -57,9 +59,14 @@ class ClientRound:
     message_config: Mapping[str, Any] = field(default_factory=dict)   # the server's config record for this call
 
     @property
+    def settings(self) -> Settings:
+        """The run's typed settings (read once, when the config was composed)."""
+        return run_settings(self.cfg)
+
+    @property
     def seed(self) -> int:
         """A seed unique to (run seed, client, round): reproducible local shuffling."""
-        digest = hashlib.sha256(f"{self.cfg.seed}/{self.client_id}/{self.server_round}".encode())
+        digest = hashlib.sha256(f"{self.settings.run.seed}/{self.client_id}/{self.server_round}".encode())
         return int.from_bytes(digest.digest()[:4], "little")
 
 
@@ -116,6 +123,7 @@ class ClientTrainer:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        self.settings = run_settings(cfg)
         self.options = method_options(cfg.strategy)
 
     # ---------------------------------------------------------------- model pieces
@@ -135,13 +143,13 @@ class ClientTrainer:
         return []
 
     def optim(self, rnd: ClientRound) -> OptimConfig:
-        train = self.cfg.train
-        if str(train.lr_schedule) == "step":   # exp or step, checked at composition
-            scale = step_lr_scale(rnd.server_round, int(self.cfg.rounds),
-                                  list(train.lr_milestones), float(train.lr_gamma))
+        train = self.settings.train
+        if train.lr_schedule == "step":   # exp or step, checked at composition
+            scale = step_lr_scale(rnd.server_round, self.settings.run.rounds,
+                                  list(train.lr_milestones), train.lr_gamma)
         else:
-            scale = float(train.lr_decay) ** max(0, rnd.server_round - 1)
-        return OptimConfig.from_cfg(train, lr_scale=scale)
+            scale = train.lr_decay ** max(0, rnd.server_round - 1)
+        return train.optim(lr_scale=scale)
 
     def load_model(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> nn.Module:
         """The payload, overlaid with the private state's local keys and with its personal
@@ -262,9 +270,10 @@ class ClientTrainer:
         adds the other."""
         if self.personal_is_global(model) or not has_bn_running_stats(model):
             return ()
-        chosen = "own" if str(self.cfg.eval_bn_statistics) == "recompute" else "stored"
+        run = self.settings.run
+        chosen = "own" if run.eval_bn_statistics == "recompute" else "stored"
         other = "stored" if chosen == "own" else "own"
-        return (chosen, other) if bool(self.cfg.eval_bn_compare) else (chosen,)
+        return (chosen, other) if run.eval_bn_compare else (chosen,)
 
     def evaluate_personal(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
         """The personalised model's accuracy under its BN protocol (``accuracy``,
@@ -292,7 +301,7 @@ class ClientTrainer:
         to first, so its statistics are the combined network's own."""
         combined = getattr(model, "combined_model", None)
         plain = combined() if callable(combined) else copy.deepcopy(model)
-        return recompute_bn_statistics(plain, rnd.data.train, int(self.cfg.train.batch_size), rnd.device)
+        return recompute_bn_statistics(plain, rnd.data.train, self.settings.train.batch_size, rnd.device)
 
     # ---------------------------------------------------------------- new clients
     def new_client_modes(self) -> tuple[str, ...]:
@@ -394,7 +403,7 @@ FINETUNED = "finetuned"   # eval metric: 1 when this evaluation fine-tuned (FT m
 def finetunes_this_round(rnd: ClientRound) -> bool:
     """Fine-tuning is the costly part of an evaluation (5 epochs per client): do it at the
     final evaluation, and every ``finetune.every`` rounds when asked."""
-    every = int(rnd.cfg.finetune.every)
+    every = rnd.settings.finetune.every
     return bool(rnd.message_config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
 
 
@@ -406,14 +415,12 @@ def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = Fals
     ``final`` and ``finetune.curve``, also record test accuracy after each epoch count in
     ``finetune.curve_epochs`` (FedBABU's Table 5) as ``ft_acc_e<E>``.
     """
-    ft = rnd.cfg.finetune
+    ft = rnd.settings.finetune
     model = copy.deepcopy(model).to(rnd.device)
-    opt = OptimConfig(lr=float(ft.lr), momentum=float(ft.momentum), weight_decay=float(ft.weight_decay),
-                      epochs=1, batch_size=int(ft.batch_size), clip=float(rnd.cfg.train.clip),
-                      optimizer=str(rnd.cfg.train.optimizer))
-    trainable = finetune_trainable(model, str(ft.part))
-    curve = sorted({int(e) for e in ft.curve_epochs}) if (final and bool(ft.curve)) else []
-    target = int(ft.epochs)
+    opt = ft.optim(rnd.settings.train)
+    trainable = finetune_trainable(model, ft.part)
+    curve = sorted(set(ft.curve_epochs)) if (final and ft.curve) else []
+    target = ft.epochs
     out: dict[str, float] = {}
     params = [p for n, p in model.named_parameters() if trainable(n)]
     optimizer = make_optimizer(params, opt) if params else None

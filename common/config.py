@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import shlex
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from common.settings import (
     FinetuneSettings,
     PersonalizeSettings,
     RunKeys,
+    Settings,
     TrainSettings,
 )
 from learning.typed import read_typed, unknown_key_message
@@ -146,6 +148,7 @@ def _compose_cached(overrides_json: str, node_root: str = "") -> DictConfig:
     if not cfg.run_name:
         cfg.run_name = default_run_name(cfg, overrides)
     OmegaConf.set_readonly(cfg, True)
+    run_settings(cfg)  # read once, as the config now stays (resume and run_name set above)
     return cfg
 
 
@@ -274,12 +277,8 @@ def validate_config(cfg: DictConfig) -> None:
             "dataset.root=/path` (with flwr run: --run-config \"overrides='dataset.root=/path'\"); "
             f"the expected layout is in conf/dataset/{cfg.dataset.name}.yaml"
         )
-    run_keys = {k: v for k, v in cfg.items() if k not in GROUP_KEYS}
     readers: list[tuple[Any, ...]] = [
-        (read_typed, RunKeys, run_keys, "", "conf/config.yaml"),
-        (read_typed, TrainSettings, cfg.train, "train", "conf/config.yaml"),
-        (read_typed, FinetuneSettings, cfg.finetune, "finetune", "conf/config.yaml"),
-        (read_typed, PersonalizeSettings, cfg.personalize, "personalize", "conf/config.yaml"),
+        *((read_typed, *args) for args in _typed_groups(cfg).values()),
         (read_model_config, cfg.model),
         (method_options, cfg.strategy),
     ]
@@ -310,6 +309,42 @@ def validate_config(cfg: DictConfig) -> None:
                         f"model={cfg.model.name!r}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
+    """``read_typed``'s arguments for the run keys and the fixed groups of ``conf/config.yaml``."""
+    run_keys = {k: v for k, v in cfg.items() if k not in GROUP_KEYS}
+    return {"run": (RunKeys, run_keys, "", "conf/config.yaml"),
+            **{group: (cls, cfg.get(group) or {}, group, "conf/config.yaml")
+               for group, cls in (("train", TrainSettings), ("finetune", FinetuneSettings),
+                                  ("personalize", PersonalizeSettings))}}
+
+
+# id(cfg) -> its settings, for read-only (composed) configs while they live
+_SETTINGS: dict[int, Settings] = {}
+
+
+def run_settings(cfg: DictConfig) -> Settings:
+    """The typed settings of a composed config (:class:`common.settings.Settings`).
+
+    A composed config is read-only, so its settings are read once, when it is composed, and
+    looked up after; a config that can still change (a run folder's ``config.yaml`` loaded
+    as it is, one a test builds) is read each time. A key missing or out of range raises
+    :class:`ConfigError` naming it."""
+    key = id(cfg)
+    if key in _SETTINGS:
+        return _SETTINGS[key]
+    try:
+        typed = {name: read_typed(*args) for name, args in _typed_groups(cfg).items()}
+    except ValueError as err:
+        raise ConfigError(f"invalid configuration: {err}") from None
+    settings = Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
+                        personalize=typed["personalize"], strategy=str(cfg.strategy.name),
+                        dataset=str(cfg.dataset.name), model=str(cfg.model.name))
+    if OmegaConf.is_readonly(cfg):
+        _SETTINGS[key] = settings
+        weakref.finalize(cfg, _SETTINGS.pop, key, None)
+    return settings
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -173,7 +173,7 @@ def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float =
 # next heartbeat. A heartbeat is a small HTTP call from a thread of the task's process, every
 # 17.5-22.5 s; a process that cannot make one for 60 s (paused, starved on a loaded machine,
 # or a SuperLink that cannot answer) loses a run of hours. pflower watches its processes
-# itself (a simulation that exits is noticed within seconds, ops/cli.py), so the SuperLink
+# itself (a simulation that exits is noticed within seconds, ops/running.py), so the SuperLink
 # may wait far longer.
 TASK_HEARTBEAT_TTL_S = 600.0
 

@@ -13,8 +13,13 @@ read at run time to convert YAML values.
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from learning.typed import check, finite, one_of
+
+if TYPE_CHECKING:
+    from learning.training import OptimConfig
 
 # the top-level keys of conf/config.yaml that are config groups, not run keys
 GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize")
@@ -69,6 +74,11 @@ class RunKeys:
         check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
               f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder: ``<results_root>/<run_name>``."""
+        return Path(self.results_root) / self.run_name
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -102,6 +112,14 @@ class TrainSettings:
         check(0 < self.lr_gamma <= 1, f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
         one_of("train.optimizer", self.optimizer, ("sgd", "adam"))
 
+    def optim(self, lr_scale: float = 1.0) -> "OptimConfig":
+        """A round's local optimisation, its learning rate scaled by the round's schedule."""
+        from learning.training import OptimConfig
+
+        return OptimConfig(lr=self.lr * lr_scale, batch_size=self.batch_size, momentum=self.momentum,
+                           weight_decay=self.weight_decay, epochs=self.local_epochs, clip=self.clip,
+                           optimizer=self.optimizer, amp=self.amp, compile=self.compile)
+
 
 @dataclass(frozen=True)
 class FinetuneSettings:
@@ -128,6 +146,11 @@ class FinetuneSettings:
         check(all(e >= 0 for e in self.curve_epochs), f"finetune.curve_epochs must be >= 0, got "
               f"{list(self.curve_epochs)}")
 
+    def optim(self, train: TrainSettings) -> "OptimConfig":
+        """One epoch of fine-tuning with this group's own settings (the clip and the
+        optimiser are training's); epochs are counted by the caller."""
+        return personalising_optim(self.lr, self.batch_size, self.momentum, self.weight_decay, train)
+
 
 @dataclass(frozen=True)
 class PersonalizeSettings:
@@ -151,3 +174,34 @@ class PersonalizeSettings:
         check(self.batch_size >= 1, f"personalize.batch_size must be >= 1, got {self.batch_size}")
         check(0 <= self.momentum < 1, f"personalize.momentum must be in [0, 1), got {self.momentum}")
         finite("personalize.weight_decay", self.weight_decay, 0.0)
+
+    def optim(self, train: TrainSettings, lr: float) -> "OptimConfig":
+        """One epoch of a new client's personalisation at ``lr`` (one of ``lrs``)."""
+        return personalising_optim(lr, self.batch_size, self.momentum, self.weight_decay, train)
+
+
+def personalising_optim(lr: float, batch_size: int, momentum: float, weight_decay: float,
+                        train: TrainSettings) -> "OptimConfig":
+    """Fine-tuning's and new clients' optimiser: one epoch (the caller counts them), the
+    clip and optimiser of ``train``, full precision."""
+    from learning.training import OptimConfig
+
+    return OptimConfig(lr=lr, batch_size=batch_size, momentum=momentum, weight_decay=weight_decay,
+                       epochs=1, clip=train.clip, optimizer=train.optimizer)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One composed run's settings, typed: what every module reads instead of casting the
+    ``DictConfig`` (``int(cfg.seed)``). Composition builds it once per configuration
+    (``common/config.py: run_settings``); the groups that depend on the choice (``dataset``,
+    ``model``, ``strategy``) keep their typed readers beside their registries, and only their
+    names are here."""
+
+    run: RunKeys
+    train: TrainSettings
+    finetune: FinetuneSettings
+    personalize: PersonalizeSettings
+    strategy: str
+    dataset: str
+    model: str

@@ -25,9 +25,10 @@ ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torc
 
 @dataclass
 class OptimConfig:
-    """Local optimiser settings. Runs build it with :meth:`from_cfg` from ``conf/``'s
-    ``train`` block (the only place defaults live); the field defaults are the neutral
-    plain-SGD choices for direct use (no momentum, no weight decay, one epoch)."""
+    """Local optimiser settings. Runs build it from their typed ``train``, ``finetune`` or
+    ``personalize`` settings (``common/settings.py``: ``TrainSettings.optim`` and the others;
+    conf/config.yaml holds the defaults); the field defaults are the neutral plain-SGD choices
+    for direct use (no momentum, no weight decay, one epoch)."""
 
     lr: float
     batch_size: int
@@ -38,26 +39,6 @@ class OptimConfig:
     optimizer: str = "sgd"
     amp: bool = False          # bfloat16/float16 autocast (CUDA: float16 with a GradScaler)
     compile: bool = False      # torch.compile the model for this call
-
-    @classmethod
-    def from_cfg(cls, cfg: Mapping[str, Any], lr_scale: float = 1.0) -> OptimConfig:
-        """From a ``train`` config block; every key must be there (conf/config.yaml has them)."""
-        keys = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size", "clip", "optimizer",
-                "amp", "compile")
-        missing = [k for k in keys if k not in cfg]
-        if missing:
-            raise KeyError(f"train config lacks {missing}; compose it from conf/config.yaml")
-        return cls(
-            lr=float(cfg["lr"]) * lr_scale,
-            momentum=float(cfg["momentum"]),
-            weight_decay=float(cfg["weight_decay"]),
-            epochs=int(cfg["local_epochs"]),
-            batch_size=int(cfg["batch_size"]),
-            clip=float(cfg["clip"]),
-            optimizer=str(cfg["optimizer"]),
-            amp=bool(cfg["amp"]),
-            compile=bool(cfg["compile"]),
-        )
 
 
 @dataclass

@@ -14,7 +14,9 @@ it) at each run's best-validation round, as FEDORA's authors report them.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,3 +190,15 @@ def _plot(rows: list[tuple[str, float, float]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``pflower compare RUN [RUN ...] [--out FILE] [--plot FILE]``."""
+    try:
+        text = compare_runs([Path(p) for p in args.runs], out=Path(args.out) if args.out else None,
+                            plot=Path(args.plot) if args.plot else None)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"pflower compare: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0

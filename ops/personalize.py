@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Subset
 
 from client.trainer import ClientRound, last_and_best, personalize_curve
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from common.methods import trainer_class
 from common.protocol import client_sort_key
 from learning.data import ClientSplit, load_federated_data
@@ -50,34 +50,37 @@ def subset_train(split: ClientSplit, share: float, seed: int) -> ClientSplit:
     return dataclasses.replace(split, train=Subset(split.train, idx.tolist()), train_ids=split.train_ids[idx])
 
 
-def protocol(cfg: DictConfig) -> dict[str, Any]:
-    """The run's ``personalize`` settings (the current defaults for runs made before they existed)."""
-    block = cfg.get("personalize") or compose_config({}).personalize
-    return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
+def load_run_config(run: Path) -> DictConfig:
+    """A finished run's ``config.yaml``, read-only (its typed settings are read once); a run
+    made before the ``personalize`` group existed takes the current defaults for it."""
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
+    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
+    if not cfg.get("personalize"):
+        cfg.personalize = compose_config({}).personalize
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: Mapping[str, float] | None = None,
                     epochs: int | None = None, clients: list[str] | None = None) -> dict[str, Any]:
     """Run the new-client protocol on one finished run; returns (and writes) the results."""
     run = Path(run_dir)
-    if not (run / "config.yaml").exists():
-        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
-    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
-    settings = protocol(cfg)
-    lrs = [float(x) for x in (lrs or settings["lrs"])]
-    sizes = dict(sizes or settings["sizes"])
-    epochs = int(epochs if epochs is not None else settings["epochs"])
-    last_round, groups, _ = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
+    cfg = load_run_config(run)
+    last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
+    settings = run_settings(cfg)
+    protocol = settings.personalize
+    lrs = [float(x) for x in (lrs or protocol.lrs)]
+    sizes = dict(sizes or protocol.sizes)
+    epochs = int(epochs if epochs is not None else protocol.epochs)
     payload = groups["global"]
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    data = load_federated_data(cfg.dataset, settings.run.seed)
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no new clients; run with "
                          "dataset.new_clients_per_domain >= 1")
-    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
-    device = resolve_device(str(cfg.device))
-    opt = OptimConfig(lr=lrs[0], batch_size=int(settings["batch_size"]), momentum=float(settings["momentum"]),
-                      weight_decay=float(settings["weight_decay"]), epochs=1, clip=float(cfg.train.clip),
-                      optimizer=str(cfg.train.optimizer))
+    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg)
+    device = resolve_device(settings.run.device)
+    opt = protocol.optim(settings.train, lrs[0])
     results: dict[str, Any] = {}
     chosen = clients or sorted(data.new_clients, key=client_sort_key)
     fits = len(chosen) * len(trainer.new_client_modes()) * len(sizes) * len(lrs)
@@ -93,9 +96,9 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
            "summary": table, "clients": results}
     (run / "new_clients.json").write_text(json.dumps(out, indent=2))
     mode, size = trainer.new_client_modes()[0], max(sizes, key=lambda s: float(sizes[s]))
-    fixed = settings["lr"]
-    lr = str(float(fixed)) if fixed is not None and float(fixed) in lrs else select_lr(table[mode][size])
-    update_summary(run, table, mode, lr, size, selected=fixed is None or float(fixed) not in lrs)
+    fixed = protocol.lr
+    lr = str(fixed) if fixed is not None and fixed in lrs else select_lr(table[mode][size])
+    update_summary(run, table, mode, lr, size, selected=fixed is None or fixed not in lrs)
     return out
 
 
@@ -107,7 +110,7 @@ def personalize_client(cid: str, data: Any, trainer: Any, cfg: DictConfig, paylo
     per_mode: dict[str, Any] = {}
     for mode in trainer.new_client_modes():
         for size, share in sizes.items():
-            part = subset_train(split, float(share), int(cfg.seed))
+            part = subset_train(split, float(share), run_settings(cfg).run.seed)
             for lr in lrs:
                 rnd = ClientRound(cfg=cfg, client_id=cid, data=part, num_classes=data.num_classes,
                                   input_shape=data.input_shape, device=device, server_round=last_round + 1)
@@ -127,17 +130,16 @@ def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None
     run's final server state with its method's ``adapt_new_client`` (other methods refuse).
     Returns ``{client: metrics}`` and writes ``<run>/unseen_adaptation.json``."""
     run = Path(run_dir)
-    if not (run / "config.yaml").exists():
-        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
-    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
-    trainer = trainer_class(str(cfg.strategy.name), cfg.strategy)(cfg)
-    last_round, groups, _ = load_checkpoint(run, {"strategy": str(cfg.strategy.name)})
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
+    cfg = load_run_config(run)
+    last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
+    typed = run_settings(cfg)
+    trainer = trainer_class(typed.strategy, cfg.strategy)(cfg)
+    data = load_federated_data(cfg.dataset, typed.run.seed)
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no held-out clients; run with "
                          "dataset.new_clients_per_domain >= 1 (or dataset.heldout_domains)")
     settings = {"init": init, "epochs": epochs, "lr": lr, "adapt_on": adapt_on}
-    device = resolve_device(str(cfg.device))
+    device = resolve_device(typed.run.device)
     results: dict[str, dict[str, float]] = {}
     for cid in clients or sorted(data.new_clients, key=client_sort_key):
         rnd = ClientRound(cfg=cfg, client_id=cid, data=data.new_clients[cid], num_classes=data.num_classes,

@@ -87,7 +87,7 @@ def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], t
     ``tune_seed``, the best combination on validation, then ``seeds`` at it. Returns the
     choices, the seed runs and the number of failed runs.
 
-    Two batches go to ``run_all`` (``ops/cli.py``'s: one after another, or ``--jobs`` at a
+    Two batches go to ``run_all`` (``ops/sweep.py``'s: one after another, or ``--jobs`` at a
     time): every setting's grid, then every setting's seeds at its choice, so a many-core box
     runs a whole phase side by side. A setting whose grid runs all failed is reported and
     gets no seed runs; the other settings go on."""
@@ -138,10 +138,12 @@ def tuning_table(choices: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def cmd_tune(args: argparse.Namespace, run_all: RunAll, compare: Callable[[argparse.Namespace], int]) -> int:
-    """The command: ``run_all`` runs (or reuses) a batch of configurations, ``compare`` writes
-    the table (``ops/cli.py``'s ``run_all`` and ``cmd_compare``, passed in: the command line
-    imports this module, not the other way round)."""
+def cmd_tune(args: argparse.Namespace) -> int:
+    """The command: the sweep's ``run_all`` runs (or reuses) each batch of configurations,
+    ``pflower compare``'s code writes the table."""
+    from ops.compare import cmd_compare
+    from ops.sweep import run_all
+
     try:
         axes = [GridAxis.parse(g) for g in args.grid]
         seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
@@ -159,28 +161,21 @@ def cmd_tune(args: argparse.Namespace, run_all: RunAll, compare: Callable[[argpa
     head = tuning_table(choices)
     print(head, flush=True)
     if runs:
-        compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
+        cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
         if args.out:
             path = Path(args.out)
             path.write_text(f"Tuned on validation accuracy:\n\n{head}\n\n{path.read_text()}")
     return 1 if failures else 0
 
 
-def add_parser(sub: Any, run_all: RunAll, compare: Callable[[argparse.Namespace], int], max_recoveries: int,
-               jobs_help: str) -> None:
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """``pflower tune``, with the options it shares with run and sweep (``parents``)."""
     p = sub.add_parser("tune", help="choose each method's hyper-parameters on validation accuracy, then run the "
-                                    "seeds at them", description=__doc__,
+                                    "seeds at them", description=__doc__, parents=parents,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="+", help="Hydra overrides (comma lists sweep, e.g. strategy=fedavg,fedbn)")
     p.add_argument("--grid", action="append", default=[], metavar="[STRATEGY:]KEY=V1,V2",
                    help="a tuned axis (repeat for more; crossed)")
     p.add_argument("--seeds", default="0,1,2", help="seeds run at the chosen values (default 0,1,2)")
     p.add_argument("--tune-seed", type=int, default=0, help="the seed of the grid runs (default 0)")
-    p.add_argument("--out", default="")
-    p.add_argument("--plot", default="")
-    p.add_argument("--num-cpus", type=float, default=1.0)
-    p.add_argument("--num-gpus", type=float, default=None, help="as for run")
-    p.add_argument("--max-recoveries", type=int, default=max_recoveries, help="as for run")
-    p.add_argument("--ray-address", default=None, help="as for run")
-    p.add_argument("--jobs", type=int, default=1, help=jobs_help)
-    p.set_defaults(func=lambda args: cmd_tune(args, run_all, compare))
+    p.set_defaults(func=cmd_tune)

@@ -9,7 +9,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.config import ConfigError, compose_config, run_config_to_overrides
+from common.config import ConfigError, compose_config, run_config_to_overrides, run_settings
 from common.flower_compat import (
     check_flower_version,
     index_undelivered_messages,
@@ -41,9 +41,10 @@ class RunRefused(RuntimeError):
 def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> PersonalizedStrategy:
     """Initial model from the run seed, then the configured strategy around it."""
     model = build_method_model(cfg, data.input_shape, data.num_classes)
-    cls = strategy_class(str(cfg.strategy.name), cfg.strategy)
+    settings = run_settings(cfg)
+    cls = strategy_class(settings.strategy, cfg.strategy)
     return cls(initial_arrays=get_arrays(model), client_ids=data.client_ids,
-               run=RunSettings.from_config(cfg, len(data.client_ids)), options=dict(cfg.strategy),
+               run=RunSettings.from_run_keys(settings.run, len(data.client_ids)), options=dict(cfg.strategy),
                model=model, data=data)
 
 
@@ -74,12 +75,13 @@ def main(grid: Grid, context: Context) -> None:
     index_undelivered_messages()    # the simulation's message lookup, linear in the clients (item 7)
     log_refusals_as_one_line(RunRefused, ConfigError, DatasetError)
     cfg = compose_config(dict(context.run_config))
-    if not cfg.resume and say_finished(cfg):
+    run = run_settings(cfg).run
+    if not run.resume and say_finished(cfg):
         return
     # the summary from the data cache (no split is loaded on the server); built if not cached
-    data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
+    data = load_data_summary(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
     try:
-        recorder = RunRecorder(cfg, resume=bool(cfg.resume),
+        recorder = RunRecorder(cfg, resume=bool(run.resume),
                                overrides=run_config_to_overrides(dict(context.run_config)))
     except RunFolderError as err:   # `pflower run` refuses this before Flower starts; `flwr run .` here
         raise RunRefused(f"pflower: {run_config_hint(err) if err.run_dir else err}") from None

@@ -25,8 +25,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from common.config import run_settings
 from common.flower_compat import send_and_receive
 from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
+from common.settings import RunKeys
 from common.timing import note, part, timed, timing_folder
 from server.checkpoint import (
     CheckpointError,
@@ -41,8 +43,9 @@ from strategies.base import PersonalizedStrategy
 
 def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed by this configuration."""
-    ident: dict[str, Any] = {"strategy": str(cfg.strategy.name), "model": str(cfg.model.name),
-                             "dataset": str(cfg.dataset.name), "seed": int(cfg.seed)}
+    settings = run_settings(cfg)
+    ident: dict[str, Any] = {"strategy": settings.strategy, "model": settings.model,
+                             "dataset": settings.dataset, "seed": settings.run.seed}
     if num_clients is not None:
         ident["num_clients"] = int(num_clients)
     return ident
@@ -50,11 +53,12 @@ def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict
 
 def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
                    recorder: RunRecorder) -> int:
-    """Run rounds ``start..cfg.rounds``; returns the last completed round."""
+    """Run rounds ``start..rounds``; returns the last completed round."""
     start = 1
-    rounds = int(cfg.rounds)
+    run = run_settings(cfg).run
+    rounds = run.rounds
     identity = checkpoint_identity(cfg, len(strategy.client_ids))
-    if cfg.resume:
+    if run.resume:
         last, groups, meta = load_checkpoint(recorder.dir, identity)
         if last > rounds:
             raise CheckpointError(f"the checkpoint in {recorder.dir} is at round {last}, beyond rounds={rounds}")
@@ -65,8 +69,8 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         log(INFO, "resumed %s from the checkpoint of round %d", recorder.dir, last)
     strategy.summary()
     # resume-round tells clients which of their saved state versions are valid
-    base_config = {"run-name": str(cfg.run_name), "num-rounds": rounds, "resume-round": start - 1}
-    fused = FusedEvaluation(bool(cfg.eval_in_train) and strategy.fuses_evaluation, cfg)
+    base_config = {"run-name": run.run_name, "num-rounds": rounds, "resume-round": start - 1}
+    fused = FusedEvaluation(run.eval_in_train and strategy.fuses_evaluation, run)
     latest: tuple[int, dict[str, Any]] | None = None   # the last evaluation known: (round, summary)
     if start > 1 and recorder.rounds and "evaluate" not in recorder.rounds[-1]:
         fused.resume_after(start - 1)   # the checkpoint was taken before that evaluation arrived
@@ -87,6 +91,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     """One round: train (carrying the previous round's evaluation), aggregate, evaluate where
     due, record, checkpoint. Returns the last evaluation known, as ``latest``."""
     t0 = time.monotonic()
+    run = run_settings(cfg).run
     with part("configure"):
         messages = list(strategy.configure_train(server_round, to_record(strategy.global_arrays),
                                                  ConfigRecord({**base_config, **fused.train_config()}), grid))
@@ -94,7 +99,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         # round's replies would not fit side by side (strategy.streams_round)
         receiver = strategy.receive_train(server_round)
     with part("replies"):   # the clients' work, and each reply taken in as it arrives
-        replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout), on_reply=receiver.take)
+        replies = send_and_receive(grid, messages, timeout=run.round_timeout, on_reply=receiver.take)
     del messages
     pending = fused.take()
     if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
@@ -113,7 +118,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         "failed": comm.failed,
         "rejected": comm.rejected,
     }
-    if _is_eval_round(server_round, cfg) and not fused.defer(server_round):
+    if _is_eval_round(server_round, run) and not fused.defer(server_round):
         with part("evaluate"):
             record.update(_evaluate(strategy, grid, cfg, base_config, server_round))
     with part("record"):
@@ -123,7 +128,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         latest = (server_round, record["evaluate"])
     log(INFO, "%s", round_line(server_round, rounds, time.monotonic() - t0, len(comm.replied), len(comm.sampled),
                                latest, fused.pending))
-    if int(cfg.checkpoint_every) > 0 and (server_round % int(cfg.checkpoint_every) == 0 or server_round == rounds):
+    if run.checkpoint_every > 0 and (server_round % run.checkpoint_every == 0 or server_round == rounds):
         with part("checkpoint"):
             rng_arrays, rng_meta = rng_state_groups()
             groups, meta = strategy.state()
@@ -153,13 +158,13 @@ class FusedEvaluation:
     round's), names it in the next train config (``EVALUATE_ROUND``), and takes it back when
     the replies are in."""
 
-    def __init__(self, enabled: bool, cfg: DictConfig) -> None:
-        self.enabled, self.cfg = enabled, cfg
+    def __init__(self, enabled: bool, run: RunKeys) -> None:
+        self.enabled, self.run = enabled, run
         self.pending: int | None = None
 
     def resume_after(self, last: int) -> None:
         """After a resume at ``last``: its evaluation, if it was deferred, is still owed."""
-        if self.enabled and _is_eval_round(last, self.cfg):
+        if self.enabled and _is_eval_round(last, self.run):
             self.pending = last
 
     def train_config(self) -> dict[str, Any]:
@@ -172,14 +177,14 @@ class FusedEvaluation:
 
     def defer(self, server_round: int) -> bool:
         """Defer evaluation round ``server_round`` to the next round's messages, when that exists."""
-        if self.enabled and server_round < int(self.cfg.rounds):
+        if self.enabled and server_round < self.run.rounds:
             self.pending = server_round
             return True
         return False
 
 
-def _is_eval_round(server_round: int, cfg: DictConfig) -> bool:
-    return server_round % int(cfg.eval_every) == 0 or server_round == int(cfg.rounds)
+def _is_eval_round(server_round: int, run: RunKeys) -> bool:
+    return server_round % run.eval_every == 0 or server_round == run.rounds
 
 
 def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_config: dict[str, Any],
@@ -191,9 +196,10 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
                if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
     done = {strategy.directory.sender_of(m) for m in carried}
     others = [c for c in strategy.directory.connected(grid) if c not in done]
-    eval_cfg = ConfigRecord({**base_config, "final": server_round == int(cfg.rounds)})
+    run = run_settings(cfg).run
+    eval_cfg = ConfigRecord({**base_config, "final": server_round == run.rounds})
     messages = strategy.evaluate_messages(server_round, eval_cfg, others, already=done)
-    replies = send_and_receive(grid, messages, timeout=float(cfg.round_timeout)) if messages else []
+    replies = send_and_receive(grid, messages, timeout=run.round_timeout) if messages else []
     evaluation = strategy.evaluation_of(server_round, [*carried, *replies])
     summary = evaluation.summary()
     if summary is None:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import override_key
+from common.config import override_key, run_settings
 from common.figures import inches, tick_step
 from common.protocol import client_sort_key
 from learning.storage import atomic_write_text
@@ -47,7 +47,7 @@ RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", 
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
-    return Path(str(cfg.results_root)) / str(cfg.run_name)
+    return run_settings(cfg).run.run_dir
 
 
 class RunFolderError(RuntimeError):
@@ -91,13 +91,14 @@ def finished_summary(run_dir: Path, cfg: DictConfig) -> dict[str, Any] | None:
     FAILED), or None. ``overwrite=true`` never finds one: it runs again. ``pflower run``,
     ``sweep`` and the ServerApp under ``flwr run`` reuse such a run instead of refusing it."""
     summary = run_dir / SUMMARY_FILE
-    if cfg.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
+    run = run_settings(cfg).run
+    if run.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
         return None
     try:
         s = json.loads(summary.read_text())
     except (OSError, ValueError):
         return None
-    return s if isinstance(s, dict) and int(s.get("rounds", cfg.rounds)) == int(cfg.rounds) else None
+    return s if isinstance(s, dict) and int(s.get("rounds", run.rounds)) == run.rounds else None
 
 
 class RunFolderLock:
@@ -154,7 +155,8 @@ class RunRecorder:
         self.cfg = cfg
         self.dir = run_dir_of(cfg)
         self.lock = RunFolderLock(self.dir).acquire()
-        overwrite = bool(cfg.overwrite)
+        run = run_settings(cfg).run
+        overwrite = run.overwrite
         try:
             check_run_folder(self.dir, resume, overwrite)
         except RunFolderError:
@@ -177,7 +179,7 @@ class RunRecorder:
         (self.dir / SUMMARY_FILE).unlink(missing_ok=True)
         self.tensorboard: TensorBoardLog | None = None   # opened at the first round this attempt writes
         self._last_elapsed = 0.0
-        if bool(cfg.tensorboard):
+        if run.tensorboard:
             TensorBoardLog.preload()
 
     def close(self) -> None:
@@ -191,7 +193,7 @@ class RunRecorder:
     def _events(self, first_round: int) -> TensorBoardLog | None:
         """The run's TensorBoard log (``tensorboard=true``); events a cut-short attempt wrote
         for ``first_round`` and after are dropped (a resume redoes those rounds)."""
-        if self.tensorboard is None and bool(self.cfg.tensorboard):
+        if self.tensorboard is None and run_settings(self.cfg).run.tensorboard:
             self.tensorboard = TensorBoardLog(self.dir, purge_from=first_round)
         return self.tensorboard
 
@@ -233,7 +235,7 @@ class RunRecorder:
                status: str = "completed") -> dict[str, Any]:
         summary = build_summary(self.cfg, self.rounds, client_info, status)
         summary.update(dict(extra or {}))
-        summary["machine"] = machine_description(str(self.cfg.device))
+        summary["machine"] = machine_description(run_settings(self.cfg).run.device)
         recoveries = read_recoveries(self.dir)
         summary["recoveries"] = len(recoveries)
         if recoveries:
@@ -329,16 +331,17 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
     if not evals:
         raise RuntimeError("no evaluation round completed; nothing to summarise")
     last = evals[-1]
+    settings = run_settings(cfg)
     by = best_round_metric(cfg)
     best = max(best_round_candidates(evals), key=lambda r: r["evaluate"].get(by, -1.0))
     per_client = last["clients"]
     summary: dict[str, Any] = {
         "status": status,
-        "strategy": str(cfg.strategy.name),
-        "dataset": str(cfg.dataset.name),
-        "model": str(cfg.model.name),
-        "seed": int(cfg.seed),
-        "run_name": str(cfg.run_name),
+        "strategy": settings.strategy,
+        "dataset": settings.dataset,
+        "model": settings.model,
+        "seed": settings.run.seed,
+        "run_name": settings.run.run_name,
         "rounds": int(rounds[-1]["round"]),
         "accuracy_mean": last["evaluate"]["accuracy_mean"],
         "accuracy_min": last["evaluate"]["accuracy_min"],
@@ -432,7 +435,7 @@ def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[st
             "clients": {cid: m[f"{key}accuracy"] for cid, m in last.get("clients", {}).items()
                         if f"{key}accuracy" in m},
         }
-    return {"bn_statistics": "own" if str(cfg.eval_bn_statistics) == "recompute" else "stored",
+    return {"bn_statistics": "own" if run_settings(cfg).run.eval_bn_statistics == "recompute" else "stored",
             "bn_protocols": protocols}
 
 
@@ -440,7 +443,7 @@ def best_round_metric(cfg: DictConfig) -> str:
     """The evaluation metric the best round maximises: ``val_accuracy_mean`` (mean over
     clients, the default) or ``val_accuracy_weighted`` (weighted by each client's validation
     size, as flgo-based code such as FDSE's selects; ``best_round_by: weighted``)."""
-    return "val_accuracy_weighted" if str(cfg.best_round_by) == "weighted" else "val_accuracy_mean"
+    return "val_accuracy_weighted" if run_settings(cfg).run.best_round_by == "weighted" else "val_accuracy_mean"
 
 
 def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -52,8 +52,9 @@ from strategies.replies import (
 )
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
     from torch import nn
+
+    from common.settings import RunKeys
 
 __all__ = ["ClientUpdate", "Evaluation", "PersonalizedStrategy", "RoundFailedError", "RoundLog",
            "RunSettings", "TrainReplies", "TrainResult", "client_labels", "client_sort_key", "conform_scalars",
@@ -90,13 +91,13 @@ class RunSettings:
     stream_replies_mb: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, num_clients: int) -> RunSettings:
-        return cls(seed=int(cfg.seed), rounds=int(cfg.rounds), fraction_train=float(cfg.fraction_train),
-                   min_train_clients=min(int(cfg.min_train_clients), num_clients),
-                   wait_for_clients=float(cfg.wait_for_clients), round_timeout=float(cfg.round_timeout),
-                   norm_bound=float(cfg.norm_bound),
-                   run_dir=Path(str(cfg.results_root)) / str(cfg.run_name),
-                   stream_replies_mb=(None if cfg.stream_replies_mb is None else float(cfg.stream_replies_mb)))
+    def from_run_keys(cls, run: RunKeys, num_clients: int) -> RunSettings:
+        """The strategy's share of the run keys (``min_train_clients`` capped at the clients)."""
+        return cls(seed=run.seed, rounds=run.rounds, fraction_train=run.fraction_train,
+                   min_train_clients=min(run.min_train_clients, num_clients),
+                   wait_for_clients=run.wait_for_clients, round_timeout=run.round_timeout,
+                   norm_bound=run.norm_bound, run_dir=Path(run.results_root) / run.run_name,
+                   stream_replies_mb=run.stream_replies_mb)
 
 
 @dataclass

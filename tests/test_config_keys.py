@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
-from common.config import ConfigError, compose_config
+from common.config import ConfigError, compose_config, run_settings
+from common.settings import FinetuneSettings, PersonalizeSettings, RunKeys, TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("learning", "common", "strategies", "client", "server", "ops")
@@ -42,6 +44,55 @@ def test_no_code_restates_a_default_of_conf() -> None:
              for n, line in enumerate(path.read_text().splitlines(), 1)
              for m in CONFIG_GET.finditer(line) if m.group(3) in keys]
     assert found == [], "defaults restated in code (read the key, conf/ has it):\n" + "\n".join(found)
+
+
+# a cast of the untyped config (``int(cfg.seed)``, ``float(self.cfg.train.lr)``): code reads
+# the typed settings composition made (common/config.py: run_settings) instead
+CONFIG_CAST = re.compile(r"""\b(int|float|str|bool)\((self\.|rnd\.)?cfg\.""")
+
+
+def test_no_code_casts_the_config_outside_composition() -> None:
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for pkg in (*PACKAGES, "bench") for path in sorted((REPO / pkg).rglob("*.py"))
+             if path.relative_to(REPO).as_posix() != "common/config.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if CONFIG_CAST.search(line) and not line.lstrip().startswith(("#", "``"))]
+    assert found == [], "casts of the config (read run_settings(cfg) instead):\n" + "\n".join(found)
+    assert CONFIG_CAST.search("seed = int(cfg.seed)") and CONFIG_CAST.search("float(self.cfg.train.lr)")
+
+
+def test_run_settings_are_the_composed_groups_typed_and_read_once() -> None:
+    cfg = compose_config({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"])
+    settings = run_settings(cfg)
+    assert settings is run_settings(cfg)                    # read when composed, looked up after
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict)
+    assert settings.train == TrainSettings(**{**plain["train"], "lr_milestones": tuple(plain["train"]["lr_milestones"])})
+    assert settings.finetune == FinetuneSettings(**{**plain["finetune"],
+                                                    "curve_epochs": tuple(plain["finetune"]["curve_epochs"])})
+    assert settings.personalize == PersonalizeSettings(**{**plain["personalize"],
+                                                          "lrs": tuple(plain["personalize"]["lrs"])})
+    assert (settings.run.rounds, settings.run.seed, settings.train.lr, settings.finetune.epochs) == (7, 4, 0.02, 3)
+    assert settings.run == RunKeys(**{k: v for k, v in plain.items() if k in RunKeys.__dataclass_fields__})
+    assert (settings.strategy, settings.dataset, settings.model) == (cfg.strategy.name, cfg.dataset.name,
+                                                                     cfg.model.name)
+    assert settings.run.run_dir == Path(cfg.results_root) / cfg.run_name
+    opt = settings.train.optim(lr_scale=0.5)
+    assert (opt.lr, opt.epochs, opt.batch_size, opt.momentum) == (0.01, cfg.train.local_epochs,
+                                                                   cfg.train.batch_size, cfg.train.momentum)
+    ft = settings.finetune.optim(settings.train)
+    assert (ft.lr, ft.epochs, ft.batch_size, ft.clip, ft.amp) == (cfg.finetune.lr, 1, cfg.finetune.batch_size,
+                                                                  cfg.train.clip, False)
+
+
+def test_settings_of_a_config_that_can_change_are_read_again_and_a_missing_key_is_named() -> None:
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_config({}), resolve=True))
+    assert run_settings(cfg).run.rounds == compose_config({}).rounds
+    cfg.rounds = 9                                      # a run folder's config.yaml, before it is frozen
+    assert run_settings(cfg).run.rounds == 9
+    del cfg.train["clip"]
+    with pytest.raises(ConfigError, match=r"train\.clip"):
+        run_settings(cfg)
 
 
 def test_the_check_finds_a_restated_default() -> None:

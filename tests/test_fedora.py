@@ -21,7 +21,7 @@ from helpers import FakeGrid, make_strategy, pflower
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
 from client.trainer import MODEL_PREFIX, ClientRound
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import DatasetError, build_federated_data, load_federated_data, num_clients
 from learning.models import build_model
 from learning.params import get_arrays
@@ -373,7 +373,7 @@ def test_in_process_federation_digits_rotated(tmp_path):
     data = load_federated_data(cfg.dataset, 0)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     s = FEDORA(initial_arrays=get_arrays(model), client_ids=data.client_ids,
-               run=RunSettings.from_config(cfg, 1), options=dict(cfg.strategy), model=model, data=data)
+               run=RunSettings.from_run_keys(run_settings(cfg).run, 1), options=dict(cfg.strategy), model=model, data=data)
     trainer = FEDORATrainer(cfg)
     states: dict[str, dict] = {c: {} for c in data.client_ids}
     accs = []

@@ -8,7 +8,7 @@ import torch
 from helpers import pflower
 
 from common.config import ConfigError, compose_config
-from ops.cli import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
+from ops.resources import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
 
 
 @pytest.mark.parametrize(("clients", "gpus", "cpus", "per_client", "expected"), [
@@ -56,7 +56,7 @@ def test_client_resources_beyond_the_machine_are_refused_by_name(monkeypatch):
     engine would build an empty actor pool and the run die after start-up)."""
     import os
 
-    from ops.cli import check_client_resources
+    from ops.resources import check_client_resources
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     _pretend_gpus(monkeypatch, 1)

@@ -139,7 +139,7 @@ def test_task_heartbeat_timeout_is_lengthened_and_node_liveness_is_not() -> None
 def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from ops.cli import SimulationWatch
+    from ops.running import SimulationWatch
 
     script = tmp_path / "flwr-simulation"
     script.write_text("#!/bin/sh\nsleep 1\n")

@@ -21,6 +21,9 @@ import pytest
 from helpers import pflower
 
 import ops.cli as cli
+import ops.compare as compare
+import ops.sweep as sweep
+from ops.resources import simulation_config
 
 FAKE_RUN = r"""
 import json, os, sys, time
@@ -47,12 +50,12 @@ def fake_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     script.write_text(FAKE_RUN)
 
     def command(combo: list[str], args: argparse.Namespace) -> list[str]:
-        folder, _ = cli.run_folder(combo)
+        folder, _ = sweep.run_folder(combo)
         seed = next(int(c.split("=")[1]) for c in combo if c.startswith("seed="))
-        code = {13: 1, 14: cli.EXIT_PARTIAL}.get(seed, 0)
+        code = {13: 1, 14: sweep.EXIT_PARTIAL}.get(seed, 0)
         return [sys.executable, str(script), str(folder), str(log), "0.6", str(code)]
 
-    monkeypatch.setattr(cli, "run_command", command)
+    monkeypatch.setattr(sweep, "run_command", command)
     return log
 
 
@@ -71,14 +74,14 @@ def _most_at_once(events: list[dict]) -> int:
 
 def test_runs_n_at_a_time_and_maps_every_outcome_as_the_sequential_sweep(fake_runs: Path, tmp_path: Path) -> None:
     root = tmp_path / "results"
-    grid = cli.expand_grid([f"results_root={root}", "strategy=fedavg", "seed=0,1,13,14,2"])
-    done_before = cli.run_folder(grid[4])[0]          # seed 2 finished earlier: reused, not run
+    grid = sweep.expand_grid([f"results_root={root}", "strategy=fedavg", "seed=0,1,13,14,2"])
+    done_before = sweep.run_folder(grid[4])[0]          # seed 2 finished earlier: reused, not run
     done_before.mkdir(parents=True)
     (done_before / "summary.json").write_text("{}")
 
-    outcomes = cli.run_in_parallel(grid + [grid[0]], _args(), jobs=2, poll_s=0.05)
+    outcomes = sweep.run_in_parallel(grid + [grid[0]], _args(), jobs=2, poll_s=0.05)
 
-    folders = [cli.run_folder(c)[0] for c in grid]
+    folders = [sweep.run_folder(c)[0] for c in grid]
     assert outcomes == [(folders[0], False), (folders[1], False), (None, False), (folders[3], True),
                         (folders[4], False), (folders[0], False)]
     events = _events(fake_runs)
@@ -89,8 +92,8 @@ def test_runs_n_at_a_time_and_maps_every_outcome_as_the_sequential_sweep(fake_ru
 
 
 def test_one_job_at_a_time_never_overlaps(fake_runs: Path, tmp_path: Path) -> None:
-    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
-    outcomes = cli.run_in_parallel(grid, _args(), jobs=1, poll_s=0.05)
+    grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
+    outcomes = sweep.run_in_parallel(grid, _args(), jobs=1, poll_s=0.05)
     assert all(folder is not None for folder, _ in outcomes)
     assert _most_at_once(_events(fake_runs)) == 1
 
@@ -99,8 +102,8 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
     script = tmp_path / "forever.py"
     pids = tmp_path / "pids"
     script.write_text("import os, sys, time\nopen(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\ntime.sleep(600)\n")
-    monkeypatch.setattr(cli, "run_command", lambda combo, args: [sys.executable, str(script), str(pids)])
-    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
+    monkeypatch.setattr(sweep, "run_command", lambda combo, args: [sys.executable, str(script), str(pids)])
+    grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
 
     def interrupt_soon() -> None:
         for _ in range(200):
@@ -112,7 +115,7 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
 
     threading.Thread(target=interrupt_soon, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        cli.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)
+        sweep.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 2                        # the third never started
     for pid in started:
@@ -122,7 +125,7 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
 
 
 def test_the_command_of_each_run_carries_the_sweeps_options() -> None:
-    cmd = cli.run_command(["strategy=fedbn", "seed=1"],
+    cmd = sweep.run_command(["strategy=fedbn", "seed=1"],
                           argparse.Namespace(num_cpus=4.0, num_gpus=0.25, max_recoveries=2, ray_address="10.0.0.1:6379"))
     assert cmd[1:] == ["-m", "ops.cli", "run", "strategy=fedbn", "seed=1", "--num-cpus", "4",
                        "--max-recoveries", "2", "--num-gpus", "0.25", "--ray-address", "10.0.0.1:6379"]
@@ -148,23 +151,23 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     set_ray_address(monkeypatch, ray_env)
     seen: list[list[str]] = []
-    real_command = cli.run_command
+    real_command = sweep.run_command
 
     def command(combo: list[str], args: argparse.Namespace) -> list[str]:
         seen.append(real_command(combo, args))
         return [sys.executable, "-c", "pass"]
 
-    monkeypatch.setattr(cli, "run_command", command)
-    grid = cli.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2,3,4,5"])
-    cli.run_in_parallel(grid, _args(), jobs=6, poll_s=0.01)
+    monkeypatch.setattr(sweep, "run_command", command)
+    grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2,3,4,5"])
+    sweep.run_in_parallel(grid, _args(), jobs=6, poll_s=0.01)
     assert len(seen) == 6
     assert all(cmd[cmd.index("--cpus") + 1] == "2" for cmd in seen), seen
     seen.clear()
-    cli.run_in_parallel(grid, _args(), jobs=3, poll_s=0.01)
+    sweep.run_in_parallel(grid, _args(), jobs=3, poll_s=0.01)
     assert all(cmd[cmd.index("--cpus") + 1] == "5" for cmd in seen), seen     # 16 // 3
     seen.clear()
     cluster = argparse.Namespace(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address="10.0.0.1:6379")
-    cli.run_in_parallel(grid, cluster, jobs=6, poll_s=0.01)
+    sweep.run_in_parallel(grid, cluster, jobs=6, poll_s=0.01)
     assert seen and all("--cpus" not in cmd for cmd in seen)
 
 
@@ -199,9 +202,9 @@ def test_a_runs_cpu_share_reaches_flowers_ray_instance() -> None:
         values = parse_config_args([text])
         return simulation_config_from_json({k.replace("-", "_"): v for k, v in values.items()})
 
-    shared = parsed(cli.simulation_config(18, 1.0, 0.0, 2))
+    shared = parsed(simulation_config(18, 1.0, 0.0, 2))
     assert (shared.num_supernodes, shared.client_resources_num_cpus, shared.init_args_num_cpus) == (18, 1, 2)
-    whole = parsed(cli.simulation_config(18, 1.0, 0.25, None))
+    whole = parsed(simulation_config(18, 1.0, 0.25, None))
     assert not whole.HasField("init_args_num_cpus") and whole.client_resources_num_gpus == 0.25
 
 
@@ -234,10 +237,10 @@ def test_tune_with_jobs_runs_every_grid_side_by_side_then_every_seed(tmp_path: P
         values = dict(c.split("=", 1) for c in combo)
         val = 0.9 - abs(float(values["train.lr"]) - (0.05 if values["strategy"] == "fedavg" else 0.1))
         summary = json.dumps({"best_val_accuracy": val, "accuracy_mean": 0.5})
-        return [sys.executable, str(script), str(cli.run_folder(combo)[0]), str(log), "0.3", "0", summary]
+        return [sys.executable, str(script), str(sweep.run_folder(combo)[0]), str(log), "0.3", "0", summary]
 
-    monkeypatch.setattr(cli, "run_command", command)
-    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(sweep, "run_command", command)
+    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
     root = tmp_path / "r"
     assert cli.main(["tune", f"results_root={root}", "strategy=fedavg,fedbn", "--grid", "train.lr=0.01,0.05,0.1",
                      "--seeds", "0,1", "--tune-seed", "5", "--jobs", "2"]) == 0
@@ -261,20 +264,20 @@ def test_ctrl_c_during_a_run_stops_the_whole_sweep_and_tune(tmp_path: Path, monk
     def interrupted_second(args: argparse.Namespace) -> int:
         started.append(list(args.overrides))
         if len(started) == 2:
-            return cli.EXIT_INTERRUPTED                              # the second is Ctrl-C'd
-        folder, _ = cli.run_folder(list(args.overrides))             # the first ends (partly)
+            return sweep.EXIT_INTERRUPTED                              # the second is Ctrl-C'd
+        folder, _ = sweep.run_folder(list(args.overrides))             # the first ends (partly)
         folder.mkdir(parents=True)
         (folder / "summary.json").write_text(json.dumps({"best_val_accuracy": 0.5}))
-        return cli.EXIT_PARTIAL
+        return sweep.EXIT_PARTIAL
 
-    monkeypatch.setattr(cli, "cmd_run", interrupted_second)
-    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(sweep, "cmd_run", interrupted_second)
+    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
     grid = [f"results_root={tmp_path / 's'}", "strategy=fedavg", "seed=0,1,2"]
-    assert cli.main(["sweep", *grid]) == cli.EXIT_INTERRUPTED
+    assert cli.main(["sweep", *grid]) == sweep.EXIT_INTERRUPTED
     assert len(started) == 2                                   # seed 2 never started
     started.clear()
     assert cli.main(["tune", f"results_root={tmp_path / 't'}", "strategy=fedavg", "--grid", "train.lr=0.01,0.05,0.1",
-                     "--seeds", "0"]) == cli.EXIT_INTERRUPTED
+                     "--seeds", "0"]) == sweep.EXIT_INTERRUPTED
     assert len(started) == 2
 
 
@@ -287,8 +290,8 @@ def test_a_sweep_run_again_goes_on_with_its_unfinished_runs(tmp_path: Path, monk
 
     from server.checkpoint import save_checkpoint
 
-    grid = cli.expand_grid([f"results_root={tmp_path}", "strategy=fedavg", "seed=0,1,2,3"])
-    folders = [cli.run_folder(c)[0] for c in grid]
+    grid = sweep.expand_grid([f"results_root={tmp_path}", "strategy=fedavg", "seed=0,1,2,3"])
+    folders = [sweep.run_folder(c)[0] for c in grid]
     for folder in folders:
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text("seed: 0\n")
@@ -302,20 +305,20 @@ def test_a_sweep_run_again_goes_on_with_its_unfinished_runs(tmp_path: Path, monk
         ran.append(list(args.overrides))
         return 0
 
-    monkeypatch.setattr(cli, "cmd_run", fake_run)
-    monkeypatch.setattr(cli, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(sweep, "cmd_run", fake_run)
+    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
     assert cli.main(["sweep", *grid[0][:1], "strategy=fedavg", "seed=0,1,2,3"]) == 0
     assert ran == [[f"resume={folders[1]}"], [*grid[2], "overwrite=true"], grid[3]]
-    assert cli.continue_unfinished(grid[1], tmp_path / "never-ran") == grid[1]
-    assert cli.continue_unfinished([*grid[1], "overwrite=true"], folders[1]) == [*grid[1], "overwrite=true"]
+    assert sweep.continue_unfinished(grid[1], tmp_path / "never-ran") == grid[1]
+    assert sweep.continue_unfinished([*grid[1], "overwrite=true"], folders[1]) == [*grid[1], "overwrite=true"]
     started: list[list[str]] = []
 
     def command(combo: list[str], args: argparse.Namespace) -> list[str]:
         started.append(combo)
         return [sys.executable, "-c", "pass"]
 
-    monkeypatch.setattr(cli, "run_command", command)
-    cli.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)                         # --jobs: the same
+    monkeypatch.setattr(sweep, "run_command", command)
+    sweep.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)                         # --jobs: the same
     assert sorted(map(str, started)) == sorted(map(str, ran))
 
 

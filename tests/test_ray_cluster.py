@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import pflower
 
-from ops.cli import use_ray_cluster
+from ops.resources import use_ray_cluster
 
 
 def _free_port() -> int:

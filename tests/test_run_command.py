@@ -145,7 +145,7 @@ def test_a_summary_over_fewer_clients_says_which_are_missing_and_why() -> None:
 
 
 def test_the_cli_last_line_says_a_run_is_partial(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from ops.cli import EXIT_PARTIAL, report_done
+    from ops.running import EXIT_PARTIAL, report_done
 
     s = {"accuracy_mean": 0.5, "accuracy_min": 0.4, "accuracy_std": 0.1, "clients_expected": 8,
          "clients_reported": 7, "clients_missing": {"3": "no reply to the final evaluation"}}

@@ -54,7 +54,7 @@ class FakeRuns:
         return folder, False
 
     def all(self, combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
-        """As ``ops/cli.py``'s ``run_all`` one at a time (a batch of ``run_or_reuse`` calls)."""
+        """As ``ops/sweep.py``'s ``run_all`` one at a time (a batch of ``run_or_reuse`` calls)."""
         return [self(c, args, who) for c in combos]
 
 

@@ -335,6 +335,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         ConfigError,
         compose_config,
         expand_grid,
+        run_settings,
         split_overrides,
         to_toml_run_config,
     )
@@ -351,6 +352,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             run_cfg, rest = split_overrides(expand_resume(combo, "pflower deploy"))
             run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
             cfg = compose_config(run_cfg, rest)
+            run = run_settings(cfg).run
             n = num_clients(cfg.dataset)
             if nodes == 0:
                 nodes = n
@@ -360,13 +362,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                     f"has {nodes} SuperNodes; use --nodes {n} or a dataset with {nodes} clients "
                     "(e.g. experiment=deploy-3 for 3)")
             try:
-                check_run_folder(Path(cfg.results_root) / cfg.run_name, bool(cfg.resume), bool(cfg.overwrite))
+                check_run_folder(run.run_dir, bool(run.resume), run.overwrite)
             except RunFolderError as err:
                 raise ConfigError(str(err)) from err
-            results_root = results_root or Path(cfg.results_root)
+            results_root = results_root or Path(run.results_root)
             if not args.data_root:  # the SuperNodes on this machine then read their splits from the cache
-                fill_cache(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
-            jobs.append((to_toml_run_config(run_cfg, rest), Path(cfg.results_root) / cfg.run_name, int(cfg.rounds)))
+                fill_cache(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
+            jobs.append((to_toml_run_config(run_cfg, rest), run.run_dir, run.rounds))
     except (ConfigError, DatasetError) as err:
         print(f"pflower deploy: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,129 @@
+"""What a simulation may use: each simulated client's CPU and GPU share, the Ray instance
+its clients run on (a private one, or a cluster), and Flower's federation config of it."""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+
+from common.config import ConfigError, run_settings
+
+ACTORS_PER_GPU = 8  # each client actor holds its own CUDA context (about 0.5 GB) and model
+
+
+def number_text(x: float) -> str:
+    """``2`` for 2.0 (a whole number as Flower's and Ray's options take it), else ``0.25``."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def gpu_share(num_clients: int, gpus: int, cpus: int, cpus_per_client: float) -> float:
+    """GPUs per simulated client when ``--num-gpus`` is not given: 0 without a GPU, else
+    the GPUs split evenly among the clients that can run at once (bounded by the clients,
+    the CPUs they reserve and ``ACTORS_PER_GPU`` per GPU), as ``1/k`` of a GPU."""
+    if gpus <= 0:
+        return 0.0
+    concurrent = min(num_clients, max(1, int(cpus // max(cpus_per_client, 1e-9))), ACTORS_PER_GPU * gpus)
+    per_gpu = max(1, -(-concurrent // gpus))   # ceil
+    return 1.0 / per_gpu
+
+
+def cpus_per_run(jobs: int) -> int:
+    """The CPUs each of ``jobs`` runs at once may use: an equal share of this machine's.
+
+    Every run starts its own private Ray instance, and each would otherwise take the whole
+    machine: ``jobs`` instances start ``jobs`` times as many clients as there are cores, each
+    with as many threads as its ``--num-cpus`` (Ray sets ``OMP_NUM_THREADS``), and the cores
+    spend the round switching threads (measured in docs/benchmarks.md)."""
+    return max(1, (os.cpu_count() or 1) // max(jobs, 1))
+
+
+def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
+                           ray_cpus: int | None = None) -> None:
+    """A client that asks for more than this machine (or this run's ``--cpus`` share of it)
+    has never starts: Flower's Ray engine builds an empty actor pool and the run dies after its
+    start-up ("ActorPool is empty"). Refused before anything starts, for the private Ray
+    instance (a cluster may have more). Flower 1.39 takes a whole number of CPUs per client
+    (its ``client-resources-num-cpus`` is an integer), so a fraction is refused here too."""
+    if num_cpus > 0 and not float(num_cpus).is_integer():
+        raise ConfigError(f"--num-cpus {number_text(num_cpus)}: Flower takes a whole number of CPUs per simulated "
+                          f"client; use --num-cpus {max(1, round(num_cpus))} (to run more clients at once, "
+                          "give the run more CPUs rather than each client less)")
+    if ray_address != "local":
+        return
+    import torch
+
+    cpus = os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_cpus <= 0:
+        raise ConfigError(f"--num-cpus {number_text(num_cpus)}: each simulated client needs a positive CPU share "
+                          "(e.g. --num-cpus 1)")
+    if ray_cpus is not None and ray_cpus < 1:
+        raise ConfigError(f"--cpus {ray_cpus}: a run needs at least one CPU (leave it out for all of them)")
+    if ray_cpus is not None and num_cpus > ray_cpus:
+        raise ConfigError(f"--num-cpus {number_text(num_cpus)} per client, but this run may use {ray_cpus} CPUs "
+                          f"(--cpus {ray_cpus}): no simulated client could start; use --num-cpus {ray_cpus} "
+                          "or less, or a larger --cpus")
+    if num_cpus > cpus:
+        raise ConfigError(f"--num-cpus {number_text(num_cpus)} per client, but this machine has {cpus} CPUs: no "
+                          f"simulated client could start; use --num-cpus {cpus} or less (clients run "
+                          "num_cpus_of_machine / --num-cpus at a time)")
+    if num_gpus > max(gpus, 0):
+        raise ConfigError(f"--num-gpus {number_text(num_gpus)} per client, but this machine has {gpus} GPU(s): no "
+                          "simulated client could start; use a share such as --num-gpus 0.25, or leave it "
+                          "out (an automatic share)")
+
+
+def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None,
+                      cpus_per_client: float, ray_cpus: int | None = None) -> float:
+    """The ``client-resources-num-gpus`` of a simulation. Ray hides the GPU from actors that
+    reserve none, so on a CUDA machine clients get a share unless told ``--num-gpus 0``;
+    ``device=cuda`` without CUDA, or with ``--num-gpus 0``, is refused before anything starts."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = run_settings(cfg).run.device
+    if device.startswith("cuda") and gpus == 0:
+        raise ConfigError(f"device={device} but this machine has no CUDA GPU (torch "
+                          f"{torch.__version__}); use device=auto (CUDA when present) or device=cpu")
+    cpus = ray_cpus or os.cpu_count() or 1
+    share = gpu_share(num_clients, gpus, cpus, cpus_per_client) if requested is None \
+        else float(requested)
+    if device.startswith("cuda") and share <= 0:
+        raise ConfigError(f"device={device} with --num-gpus 0: Ray hides the GPU from clients that "
+                          "reserve none; leave --num-gpus out (an automatic share) or pass e.g. --num-gpus 0.25")
+    return share
+
+
+RAY_ADDRESS_HELP = ("run the simulation's clients on an existing Ray cluster (host:port of its head, "
+                    "started with `ray start --head`; other machines join with `ray start --address`), "
+                    "for a simulation larger than one machine; default: the RAY_ADDRESS environment "
+                    "variable, else a private Ray instance on this machine (never a cluster found by chance)")
+
+
+def ray_cluster(address: str | None) -> str | None:
+    """The Ray cluster a run joins: ``address``, else ``RAY_ADDRESS``; None for a private
+    instance on this machine (neither set, or ``local``, which :func:`use_ray_cluster` itself
+    writes into this process's environment)."""
+    chosen = address or os.environ.get("RAY_ADDRESS")
+    return chosen if chosen and chosen != "local" else None
+
+
+def use_ray_cluster(address: str | None) -> str:
+    """Where the simulation's Ray runs: ``address`` (or ``RAY_ADDRESS``), else ``local``, a
+    private instance. Ray's own default would join any cluster ``ray start`` left running on
+    this machine; the simulation process (started by the SuperLink) inherits the variable."""
+    chosen = ray_cluster(address) or "local"
+    os.environ["RAY_ADDRESS"] = chosen
+    return chosen
+
+
+def simulation_config(num_clients: int, num_cpus: float, num_gpus: float, ray_cpus: int | None) -> str:
+    """Flower's ``--federation-config`` of a simulation: one SuperNode per client, each
+    client's Ray resources, and (``ray_cpus``) the CPUs the run's private Ray instance
+    may use, all of the machine's when None."""
+    config = (f"num-supernodes={num_clients} client-resources-num-cpus={number_text(num_cpus)} "
+              f"client-resources-num-gpus={number_text(num_gpus)}")
+    return config + (f" init-args-num-cpus={ray_cpus}" if ray_cpus is not None else "")
+
+

@@ -1,0 +1,419 @@
+"""``pflower run``: one simulation, checked before anything starts, on a private SuperLink,
+resumed by itself when its processes die (``--max-recoveries``), every process it started
+stopped at the end; the exit code says whether it wrote its ``summary.json``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from common.config import (
+    ConfigError,
+    compose_config,
+    override_key,
+    run_settings,
+    split_overrides,
+    to_toml_run_config,
+)
+from learning.data import DatasetError, dataset_config, num_clients
+from ops.resources import (
+    check_client_resources,
+    number_text,
+    resolve_gpu_share,
+    simulation_config,
+    use_ray_cluster,
+)
+
+EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
+EXIT_INTERRUPTED = 130   # Ctrl-C or SIGTERM: every Flower process of the run was stopped
+DEFAULT_MAX_RECOVERIES = 3   # automatic resumes of a run whose processes died
+
+
+class RunFinished(Exception):
+    """The configuration's folder already holds its finished run: nothing to start."""
+
+
+def say_finished(run_dir: Path) -> int:
+    """A command whose run is already done says where its result is and starts nothing (exit 0)."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    result = (f": accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f}"
+              if {"accuracy_mean", "accuracy_min"} <= s.keys() else "")
+    print(f"pflower: {run_dir} already holds this run, finished ({s.get('status', 'completed')}){result} -> "
+          f"{run_dir / 'summary.json'}; nothing started (overwrite=true runs it again, run_name=<new name> "
+          "keeps both)")
+    return 0
+
+
+def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], list[str], int]:
+    """Everything that can be checked before a Flower process starts (exit 2 on failure):
+    the config, the dataset (the whole image tree for image folders: missing or empty
+    folders, nested folders, unreadable images, too few images for the split), and the run
+    folder (another run's results, or a live run writing it)."""
+    from learning.data import image_tree_problems
+    from learning.data_cache import fill_cache, resolve_cache_dir
+    from ops.recovery import expand_resume
+    from server.results import RunFolderError, check_run_folder, finished_summary, lock_is_held
+
+    run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
+    run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
+    cfg = compose_config(run_cfg, rest)
+    run = run_settings(cfg).run
+    if finished_summary(run.run_dir, cfg) is not None:
+        raise RunFinished(run.run_dir)
+    n = num_clients(cfg.dataset)
+    dataset = dataset_config(cfg.dataset)
+    if dataset.source == "imagefolder" and not dataset.synthetic:
+        problems = image_tree_problems(dataset.root, list(dataset.domains), verify_images=True)
+        if problems:
+            raise DatasetError(f"dataset {dataset.name!r}: the image-folder tree has problems:\n  - "
+                               + "\n  - ".join(problems))
+    # builds every split (fails here, not in a client) and caches them for the clients
+    fill_cache(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
+    if run.resume:
+        run_cfg, rest = resume_overrides(cfg, run_cfg, rest)
+    run_dir = run.run_dir
+    try:
+        check_run_folder(run_dir, bool(run.resume), run.overwrite)
+    except RunFolderError as err:
+        raise ConfigError(str(err)) from err
+    if lock_is_held(run_dir):
+        raise ConfigError(f"{run_dir} is being written by another live run; wait for it to finish "
+                          "or stop it, or choose another run_name")
+    return cfg, run_cfg, rest, n
+
+
+@dataclass
+class Attempt:
+    """How one submission of the run ended: flwr's exit code, and, when the run died (no
+    fresh summary.json and no FAILED from the ServerApp), why and where its output was kept."""
+
+    code: int
+    died: str = ""
+    evidence: Path | None = None
+
+
+class SimulationWatch:
+    """Whether a simulation's processes are still there, asked once a second while
+    ``flwr run --stream`` waits: False once the SuperLink has exited, or once the
+    ``flwr-simulation`` process (seen before) has been gone for ``grace_s`` (a run that
+    completes ends its stream within a second of its simulation exiting)."""
+
+    def __init__(self, link: object, grace_s: float = 20.0) -> None:
+        self.link, self.grace_s = link, grace_s
+        self.seen, self.gone_since, self.reason = False, None, ""
+        self.pid: int | None = None   # the simulation's, once found: then one /proc read a call
+
+    def __call__(self) -> bool:
+        from ops.deployment.launch import cmdline, pid_alive, process_tree
+
+        proc = getattr(self.link, "proc", None)
+        if proc is None or proc.poll() is not None:
+            self.reason = "the SuperLink exited"
+            return False
+        if self.pid is None or not pid_alive(self.pid) or "flwr-simulation" not in cmdline(self.pid):
+            self.pid = next((p for p in process_tree(proc.pid)[1:] if "flwr-simulation" in cmdline(p)), None)
+        if self.pid is not None:
+            self.seen, self.gone_since = True, None
+            return True
+        if self.seen:
+            self.gone_since = self.gone_since or time.monotonic()
+            if time.monotonic() - self.gone_since > self.grace_s:
+                self.reason = f"the simulation process exited and the run had not ended {self.grace_s:.0f} s later"
+                return False
+        return True
+
+
+def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federation: str,
+             keep: Path | None, attempt: int) -> Attempt:
+    """Submit the run once on a private SuperLink; on any failure keep what explains it (the
+    SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
+    from ops.deployment.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
+    from ops.progress import RUN_LOG, RunOutput, run_progress
+    from ops.recovery import death_reason, keep_evidence
+
+    run = run_settings(cfg).run
+    run_dir = run.run_dir
+    started = time.time()
+    try:
+        with simulation_superlink(keep_in=keep) as (link, flwr_home):
+            print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
+            write_pid_file(run_dir, link)
+            watch = SimulationWatch(link)
+            with run_progress(run_dir, run.rounds, f"{cfg.strategy.name} {run.run_name}") as bar, \
+                    RunOutput(run_dir / RUN_LOG, bar, append=attempt > 1 or bool(run.resume)) as output:
+                code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,
+                                on_line=output)
+            if code != 0 and not watch.reason:
+                follow_after_stream_loss(code, flwr_home, run_dir, run.rounds, alive=watch)
+            if fresh(run_dir / "summary.json", started):
+                return Attempt(code)
+            # any failure keeps the processes' own output with the run
+            info = run_info(flwr_home) if link.proc is not None and link.proc.poll() is None else None
+            log_text = run_log(flwr_home, str(info["run-id"])) if info and "run-id" in info else ""
+            evidence = None
+            with contextlib.suppress(OSError):
+                evidence = keep_evidence(link.workdir, run_dir, attempt, info, log_text)
+            if fresh(run_dir / "FAILED", started):   # the ServerApp said why
+                return Attempt(code, evidence=evidence)
+            reason = death_reason(code, info, _read(link.workdir / "superlink.log") + log_text, watch.reason)
+            return Attempt(code, died=reason, evidence=evidence)
+    finally:   # the SuperLink and its processes are stopped: the folder keeps results only
+        (run_dir / PID_FILE).unlink(missing_ok=True)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def fresh(path: Path, since: float) -> bool:
+    """Whether ``path`` was written at or after ``since`` (by this attempt)."""
+    return path.exists() and path.stat().st_mtime >= since
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ops.deployment.launch import LaunchError
+    from server.checkpoint import checkpoint_round
+    from server.results import record_recovery
+
+    try:
+        cfg, run_cfg, rest, n = preflight(args)
+        ray_cpus = getattr(args, "cpus", None)
+        num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus), ray_cpus)
+        ray_address = use_ray_cluster(getattr(args, "ray_address", None))
+        check_client_resources(float(args.num_cpus), num_gpus, ray_address, ray_cpus)
+    except RunFinished as done:
+        return say_finished(Path(str(done)))
+    except (ConfigError, DatasetError) as err:
+        print(f"pflower: {err}", file=sys.stderr)
+        return 2
+    settings = run_settings(cfg)
+    run_dir = settings.run.run_dir
+    summary = run_dir / "summary.json"
+    started = time.time()
+    federation = simulation_config(n, float(args.num_cpus), num_gpus,
+                                   ray_cpus if ray_address == "local" else None)
+    print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
+          + (f" ({number_text(num_gpus)} GPU per client)" if num_gpus else "")
+          + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
+    keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
+    max_recoveries = int(getattr(args, "max_recoveries", DEFAULT_MAX_RECOVERIES))
+    recoveries, last_round = 0, checkpoint_round(run_dir) if settings.run.resume else None
+    try:
+        while True:
+            attempt = run_once(cfg, run_cfg, rest, federation, keep, recoveries + 1)
+            if not attempt.died:
+                break
+            after = checkpoint_round(run_dir)
+            print(f"pflower: the run died: {attempt.died}; its processes' output is in {attempt.evidence}",
+                  file=sys.stderr, flush=True)
+            if after is None or recoveries >= max_recoveries or after == last_round:
+                why = ("no checkpoint was written" if after is None else
+                       "automatic recovery is off (--max-recoveries 0)" if max_recoveries <= 0 else
+                       f"{recoveries} recoveries already (--max-recoveries {max_recoveries})"
+                       if recoveries >= max_recoveries else
+                       f"no round completed since the last recovery (still round {after})")
+                return report_failure(run_dir, f"run did not complete ({attempt.died}); not recovering: {why}")
+            recoveries, last_round = recoveries + 1, after
+            record_recovery(run_dir, after, attempt.died, attempt.evidence)
+            print(f"pflower: recovering ({recoveries} of at most {max_recoveries}): resuming {run_dir} "
+                  f"from its checkpoint of round {after}", file=sys.stderr, flush=True)
+            cfg, run_cfg, rest = resume_config(run_dir)
+    except LaunchError as err:
+        print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"pflower: interrupted; all Flower processes were stopped\npflower: {go_on_hint(run_dir)}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    code = attempt.code
+    failed = run_dir / "FAILED"
+    if fresh(failed, started):
+        if attempt.evidence is not None:
+            print(f"pflower: the SuperLink's and the simulation's output is in {attempt.evidence}",
+                  file=sys.stderr)
+        return report_failure(run_dir, failed.read_text().strip())
+    if not summary.exists() or summary.stat().st_mtime < started:
+        return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
+                                       f"{summary}); its log: {run_dir / 'run.log'}")
+    new_clients = settings.strategy == "fedbasis" and dataset_config(cfg.dataset).new_clients_per_domain > 0
+    protocol = settings.personalize
+    if new_clients and not protocol.after_run:
+        print(f"pflower: the new clients are not personalised (personalize.after_run=false); "
+              f"pflower personalize {run_dir} does it")
+    elif new_clients:
+        from ops.personalize import personalize_run
+
+        try:
+            personalize_run(run_dir, lrs=list(protocol.lrs) if protocol.lr is None else [protocol.lr],
+                            sizes=dict([max(protocol.sizes.items(), key=lambda item: item[1])]))
+        except (ValueError, FileNotFoundError, RuntimeError) as err:
+            print(f"pflower: the run completed, but personalising its new clients failed: {err}; "
+                  f"retry with: pflower personalize {run_dir}", file=sys.stderr)
+            return 1
+    s = json.loads(summary.read_text())
+    if "new_client_accuracy_mean" in s:
+        how = s.get("new_client_protocol", {})
+        print(f"pflower: new clients (personalised, {protocol.epochs} epochs at lr {how.get('lr')}, "
+              f"{how.get('lr_selected_by', 'fixed')}): "
+              f"accuracy mean {s['new_client_accuracy_mean']:.4f} min {s['new_client_accuracy_min']:.4f}")
+    return report_done(s, summary)
+
+
+def resume_config(run_dir: Path) -> tuple[DictConfig, dict[str, str], list[str]]:
+    """The configuration that resumes ``run_dir`` (its saved overrides plus ``resume=``), as
+    ``pflower run resume=<run_dir>`` composes it."""
+    from ops.recovery import expand_resume
+
+    run_cfg, rest = split_overrides(expand_resume([f"resume={run_dir}"]))
+    run_cfg, rest = resume_overrides(compose_config(run_cfg, rest), run_cfg, rest, quiet=True)
+    return compose_config(run_cfg, rest), run_cfg, rest
+
+
+def report_done(s: dict, summary: Path) -> int:
+    """The last line: the result, and loudly whether it covers every client."""
+    line = (f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
+            f"std {s['accuracy_std']:.4f} -> {summary}")
+    missing = s.get("clients_missing") or {}
+    if missing:
+        reasons = "; ".join(f"{c}: {r}" for c, r in missing.items())
+        print(f"pflower: done, PARTIAL: only {s['clients_reported']} of {s['clients_expected']} clients "
+              f"reported (missing {reasons}); {line}", file=sys.stderr)
+        return EXIT_PARTIAL
+    print(f"pflower: done. {line}")
+    return 0
+
+
+def go_on_hint(run_dir: Path) -> str:
+    """How to go on with a run that stopped before its end (failed or interrupted)."""
+    from server.checkpoint import CHECKPOINT
+
+    return (f"resume with: pflower run resume={run_dir}" if (run_dir / CHECKPOINT).exists()
+            else "no checkpoint was written; run again (with overwrite=true to replace this folder)")
+
+
+def report_failure(run_dir: Path, reason: str) -> int:
+    """Leave ``FAILED`` (the reason and how to go on) in the run folder, and say it."""
+    from learning.storage import atomic_write_text
+
+    hint = go_on_hint(run_dir)
+    if run_dir.is_dir():
+        atomic_write_text(run_dir / "FAILED", f"{reason}\n{hint}\n")
+    print(f"pflower: run failed: {reason}\npflower: {hint}", file=sys.stderr)
+    return 1
+
+
+ACTIVE = ("pending", "starting", "running")
+
+
+def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
+                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None) -> None:
+    """``flwr run --stream`` can exit while the run goes on (the log stream to the SuperLink
+    dropped, e.g. a SuperLink too busy to answer in time). Ask the SuperLink (a few times:
+    the same load may delay that answer): while the run is still active, follow its progress
+    from ``metrics.jsonl`` until it finishes or its processes are gone (``alive``), instead
+    of killing a healthy run."""
+    from ops.deployment.launch import run_status
+
+    status = None
+    for _ in range(5):
+        status = run_status(flwr_home)
+        if status is not None or (alive is not None and not alive()):
+            break
+        time.sleep(poll_s)
+    if status is None or not status.startswith(ACTIVE):
+        return
+    print(f"pflower: the log stream ended (flwr exit code {code}) but the run is still {status} on "
+          "the SuperLink; following it from its metrics", file=sys.stderr, flush=True)
+    metrics, seen, unreachable = run_dir / "metrics.jsonl", 0, 0
+    while True:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        for line in lines[seen:]:
+            with contextlib.suppress(json.JSONDecodeError, KeyError):
+                rec = json.loads(line)
+                ev = rec.get("evaluate", {})
+                acc = f" accuracy mean {ev['accuracy_mean']:.4f}" if ev else ""
+                print(f"pflower: [round {rec['round']}/{rounds}]{acc}", flush=True)
+        seen = len(lines)
+        status = run_status(flwr_home)
+        unreachable = unreachable + 1 if status is None else 0
+        if alive is not None and not alive():
+            print("pflower: the run's processes are gone", file=sys.stderr, flush=True)
+            return
+        if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
+            print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
+            return
+        time.sleep(poll_s)
+
+
+PID_FILE = "pflower.pid"
+
+
+def write_pid_file(run_dir: Path, link: object) -> None:
+    """Record this command's pid and its SuperLink's process group in the run folder, so a
+    resume can detect a run still in progress and clean up after a killed ``pflower``."""
+    from learning.storage import atomic_write_text
+
+    proc = getattr(link, "proc", None)
+    info = {"pflower": os.getpid(), "superlink_pgid": proc.pid if proc is not None else None}
+    atomic_write_text(run_dir / PID_FILE, json.dumps(info))
+
+
+def stale_processes(run_dir: Path) -> None:
+    """Before resuming: refuse if the run's ``pflower`` is still alive; stop the SuperLink
+    process group it left behind if it was killed (e.g. SIGKILL), which would otherwise
+    keep running the old attempt into the same folder."""
+    from ops.deployment.launch import cmdline, kill_tree
+
+    path = run_dir / PID_FILE
+    if not path.exists():
+        return
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    pid, pgid = info.get("pflower"), info.get("superlink_pgid")
+    if isinstance(pid, int) and pid != os.getpid() and ("pflower" in cmdline(pid) or "ops.cli" in cmdline(pid)):
+        raise ConfigError(f"{run_dir} is still being run by pflower (pid {pid}); stop it first "
+                          f"(kill {pid}) or wait for it to finish")
+    if isinstance(pgid, int) and ("flower-superlink" in cmdline(pgid) or "ops.node.superlink" in cmdline(pgid)):
+        print(f"pflower: stopping the SuperLink (pid {pgid}) and its processes, left running by "
+              "the interrupted run", file=sys.stderr)
+        kill_tree(pgid)
+
+
+def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], quiet: bool = False
+                     ) -> tuple[dict[str, str], list[str]]:
+    """``resume=<run dir>``: verify the folder and its checkpoint (checksum, strategy,
+    model, dataset, seed, clients, round) before anything starts, and make the resumed run
+    write into that same folder (its run_name and results_root)."""
+    from server.checkpoint import CheckpointError, check_checkpoint
+    from server.loop import checkpoint_identity
+
+    run = run_settings(cfg).run
+    run_dir = Path(run.resume)
+    if not run_dir.is_dir():
+        raise ConfigError(f"resume={run_dir} is not a run folder; give the path of an earlier run")
+    try:
+        last = check_checkpoint(run_dir, checkpoint_identity(cfg, num_clients(cfg.dataset)), run.rounds)
+    except CheckpointError as err:
+        raise ConfigError(f"cannot resume: {err}") from err
+    if not quiet:
+        stale_processes(run_dir)
+        print(f"pflower: resuming {run_dir} after round {last}")
+    run_cfg = {**run_cfg, "run-name": run.run_name, "results-root": run.results_root}
+    rest = [o for o in rest if override_key(o) != "resume"] + [f"resume={run_dir}"]
+    return run_cfg, rest
+
+
