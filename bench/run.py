@@ -40,8 +40,8 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def machine() -> str:
-    """This machine as run summaries name it (``server.results.machine_description``)."""
-    from server.results import machine_description
+    """This machine as run summaries name it (``server.summary.machine_description``)."""
+    from server.summary import machine_description
 
     m = machine_description("auto")
     return (f"{m['cpu']}, {m['cpu_count']} CPUs, {m['gpu'] or 'no GPU'}, torch {m['torch']}, "

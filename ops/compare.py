@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from server.results import bn_label
+from server.summary import bn_label
 
 COLUMNS = (
     ("accuracy_mean", "acc mean"),

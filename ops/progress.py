@@ -38,7 +38,7 @@ class RoundsSeen:
 
 def rounds_seen(metrics: Path) -> RoundsSeen:
     """Read ``metrics.jsonl`` as the recorder does (a line cut short by the writer is dropped)."""
-    from server.results import read_rounds
+    from server.run_folder import read_rounds
 
     try:
         records = read_rounds(metrics)
@@ -71,7 +71,7 @@ class RunProgress:
             TimeRemainingColumn,
         )
 
-        from server.results import METRICS_FILE
+        from server.run_folder import METRICS_FILE
 
         self.metrics = Path(run_dir) / METRICS_FILE
         self._seen, self._stat = RoundsSeen(0), None   # re-read only when the file changed

@@ -83,7 +83,7 @@ def expand_resume(overrides: list[str], command: str = "pflower run") -> list[st
     changes, and ``resume=<folder>``. Without ``resume=`` the overrides are returned as
     they are; a folder written before ``overrides.json`` existed keeps the old behaviour
     (the overrides given must repeat the run's own, and the checkpoint checks them)."""
-    from server.results import load_overrides
+    from server.run_folder import load_overrides
 
     folder = resume_folder(overrides)
     if folder is None:

@@ -61,7 +61,7 @@ def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], lis
     from learning.data import image_tree_problems
     from learning.data_cache import fill_cache, resolve_cache_dir
     from ops.recovery import expand_resume
-    from server.results import RunFolderError, check_run_folder, finished_summary, lock_is_held
+    from server.run_folder import RunFolderError, check_run_folder, finished_summary, lock_is_held
 
     run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
@@ -185,7 +185,7 @@ def fresh(path: Path, since: float) -> bool:
 def cmd_run(args: argparse.Namespace) -> int:
     from ops.deployment.launch import LaunchError
     from server.checkpoint import checkpoint_round
-    from server.results import record_recovery
+    from server.run_folder import record_recovery
 
     try:
         cfg, run_cfg, rest, n = preflight(args)

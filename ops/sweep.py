@@ -26,7 +26,7 @@ from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, cmd_run
 def run_folder(combo: list[str]) -> tuple[Path, bool]:
     """The folder a configuration runs into, and whether a finished run is there to reuse
     (``overwrite=true`` never reuses; a run marked FAILED is run again)."""
-    from server.results import finished_summary
+    from server.run_folder import finished_summary
 
     run_cfg, rest = split_overrides(combo)
     root = Path(run_cfg.get("results-root", "results")).resolve()
@@ -42,7 +42,7 @@ def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> l
     afresh when it stopped before computing anything (only its config was written). A folder
     with results but no checkpoint is left to ``pflower run``, which refuses to overwrite it."""
     from server.checkpoint import checkpoint_round
-    from server.results import OVERRIDES_FILE, existing_run_files
+    from server.run_folder import OVERRIDES_FILE, existing_run_files
 
     if not folder.is_dir() or any(override_key(o) in ("resume", "overwrite") for o in combo):
         return combo

@@ -21,13 +21,8 @@ from learning.data import DatasetError, FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
 from server.loop import run_federation
-from server.results import (
-    RunFolderError,
-    RunRecorder,
-    finished_summary,
-    run_config_hint,
-    run_dir_of,
-)
+from server.results import RunRecorder
+from server.run_folder import RunFolderError, finished_summary, run_config_hint, run_dir_of
 from strategies.base import PersonalizedStrategy, RunSettings
 
 app = ServerApp()

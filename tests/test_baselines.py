@@ -37,7 +37,7 @@ def test_fine_tuning_only_at_the_final_evaluation_gives_the_same_final_result(tm
     """Fine-tuning evaluates, it never trains the federation: fine-tuning at every round or
     only at the last gives bit-identical final numbers, and the rounds that did not
     fine-tune are flagged and never chosen as the best round."""
-    from server.results import best_round_candidates
+    from server.summary import best_round_candidates
 
     every, final = _rounds(tmp_path, name, 1), _rounds(tmp_path, name, 0)
     assert every[-1]["clients"] == final[-1]["clients"]

@@ -24,7 +24,7 @@ from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
 from learning.training import evaluate, recompute_bn_statistics
-from server.results import build_summary
+from server.summary import build_summary
 
 CPU = torch.device("cpu")
 

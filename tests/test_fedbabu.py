@@ -23,7 +23,7 @@ from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
-from server.results import build_summary
+from server.summary import build_summary
 from strategies.base import ClientUpdate
 from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
 from strategies.fedbabu_math import average_body, head_digest, init_head, split_head

@@ -20,7 +20,7 @@ from helpers import REPO, pflower, pflower_popen
 from common.config import ConfigError, compose_config, split_overrides
 from ops.deployment.launch import cmdline, kill_tree, process_tree
 from ops.recovery import RESUMABLE_KEYS, death_reason, expand_resume
-from server.results import (
+from server.run_folder import (
     RECOVERIES_FILE,
     load_overrides,
     read_recoveries,

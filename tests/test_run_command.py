@@ -18,14 +18,10 @@ from PIL import Image
 
 from common.config import compose_config
 from ops.styled_digits import make_styled_digits
-from server.results import (
-    RunFolderError,
-    RunFolderLock,
-    RunRecorder,
-    accuracy_lines,
-    build_summary,
-    lock_is_held,
-)
+from server.plots import accuracy_lines
+from server.results import RunRecorder
+from server.run_folder import RunFolderError, RunFolderLock, lock_is_held
+from server.summary import build_summary
 
 REF = {"w": np.zeros((3, 2), np.float32)}
 
@@ -113,7 +109,7 @@ def test_running_a_finished_configuration_again_says_where_its_result_is(tmp_pat
         assert code == 0, out
         assert f"{run} already holds this run, finished (completed): accuracy mean 0.9123 min 0.8000" in out
         assert f"-> {run / 'summary.json'}; nothing started" in out and "SuperLink" not in out
-    from server.results import finished_summary
+    from server.run_folder import finished_summary
     assert finished_summary(run, compose_config({"rounds": "20"})) is not None
     assert finished_summary(run, compose_config({}, ["rounds=20", "overwrite=true"])) is None
     (run / "summary.json").write_text(json.dumps({"rounds": 10, "accuracy_mean": 0.5, "accuracy_min": 0.5}))
@@ -498,7 +494,7 @@ def test_a_refusal_under_flwr_run_is_one_line_in_run_config_syntax(tmp_path: Pat
 
     from common.flower_compat import log_refusals_as_one_line
     from server.app import RunRefused
-    from server.results import RunFolderError, check_run_folder, run_config_hint
+    from server.run_folder import RunFolderError, check_run_folder, run_config_hint
 
     run = tmp_path / "x"
     run.mkdir()

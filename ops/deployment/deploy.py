@@ -342,7 +342,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from learning.data import DatasetError, num_clients
     from learning.data_cache import fill_cache, resolve_cache_dir
     from ops.recovery import expand_resume
-    from server.results import RunFolderError, check_run_folder
+    from server.run_folder import RunFolderError, check_run_folder
 
     jobs: list[tuple[str, Path, int]] = []   # run config, run folder, rounds
     nodes = args.nodes
@@ -439,7 +439,7 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
     from ops.progress import run_progress
     from ops.recovery import expand_resume
     from server.checkpoint import checkpoint_round
-    from server.results import record_recovery
+    from server.run_folder import record_recovery
 
     recoveries = 0
     while True:
