@@ -189,7 +189,7 @@ def discover_imagefolder(cfg: DictConfig) -> None:
     """An image-folder dataset with no ``domains`` listed takes the sub-folders of ``root``
     (sorted), and the generic ``imagefolder`` preset takes the root folder's name as the
     dataset name (so run folders and tables say ``my-digits``, not ``imagefolder``)."""
-    from learning.data import subfolders
+    from learning.sources import subfolders
 
     ds = cfg.dataset
     if ds.source != "imagefolder" or ds.synthetic or OmegaConf.is_missing(ds, "root") or not ds.root:
@@ -266,8 +266,9 @@ def validate_config(cfg: DictConfig) -> None:
     """Fail before any training with one clear message per problem: every group is read into
     its typed class (every key required, none unknown, each in range; ``common/settings.py``,
     ``learning/data.py: DatasetConfig``, ``learning/models.py: MODELS``, ``common/options.py``)."""
-    from learning.data import DatasetError, dataset_config
+    from learning.data import dataset_config
     from learning.models import read_model_config
+    from learning.sources import DatasetError
 
     problems: list[str] = []
     root_missing = OmegaConf.is_missing(cfg.dataset, "root")

@@ -36,15 +36,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from learning.data import (
-    ClientSplit,
-    CropFlip,
-    FederatedData,
-    _freeze,
-    _plain,
-    load_federated_data,
-    tensor_view,
-)
+from learning.data import ClientSplit, FederatedData, _freeze, _plain, load_federated_data
+from learning.sources import CropFlip, tensor_view
 from learning.storage import (
     StateCorruptError,
     atomic_write_text,
@@ -53,7 +46,7 @@ from learning.storage import (
 )
 
 log = logging.getLogger(__name__)
-_SOURCES = ("data.py", "partition.py", "data_cache.py")   # the code a split depends on
+_SOURCES = ("data.py", "sources.py", "partition.py", "data_cache.py")   # the code a split depends on
 SPLITS = ("train", "val", "test")
 
 

@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pflower", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    batch = [run_options(), batch_options()]
-    p = sub.add_parser("run", help="run one simulation", parents=batch[:1], epilog=overrides_help(),
+    runs, batches = run_options(), batch_options()   # the options run, sweep and tune share
+    p = sub.add_parser("run", help="run one simulation", parents=[runs], epilog=overrides_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
     p.add_argument("--keep-temp", action="store_true",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="", help="write the Markdown table here")
     c.add_argument("--plot", default="", help="write the comparison plot here (PNG)")
     c.set_defaults(func=cmd_compare)
-    s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it", parents=batch,
+    s = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it", parents=[runs, batches],
                        epilog=overrides_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="+")
     s.set_defaults(func=cmd_sweep)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     add_deploy_parser(sub)
     add_personalize_parser(sub)
     add_data_parser(sub)
-    add_tune_parser(sub, batch)
+    add_tune_parser(sub, [runs, batches])
     args, extra = parser.parse_known_args(argv)
     # options may come anywhere: `run strategy=fdse --num-gpus 0.25 rounds=5` leaves
     # `rounds=5` unparsed (argparse stops the positional list at the option)

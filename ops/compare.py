@@ -194,9 +194,14 @@ def _plot(rows: list[tuple[str, float, float]], path: Path) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``pflower compare RUN [RUN ...] [--out FILE] [--plot FILE]``."""
+    return print_comparison([Path(p) for p in args.runs], args.out, args.plot)
+
+
+def print_comparison(runs: list[Path], out: str = "", plot: str = "") -> int:
+    """Print the runs' table (written to ``out`` and plotted to ``plot`` when given); 2 when
+    they cannot be compared (the message says why)."""
     try:
-        text = compare_runs([Path(p) for p in args.runs], out=Path(args.out) if args.out else None,
-                            plot=Path(args.plot) if args.plot else None)
+        text = compare_runs(runs, out=Path(out) if out else None, plot=Path(plot) if plot else None)
     except (FileNotFoundError, ValueError) as err:
         print(f"pflower compare: {err}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,8 @@ from common.config import (
     split_overrides,
     to_toml_run_config,
 )
-from learning.data import DatasetError, dataset_config, num_clients
+from learning.data import dataset_config, num_clients
+from learning.sources import DatasetError
 from ops.resources import (
     check_client_resources,
     number_text,
@@ -53,17 +55,36 @@ def say_finished(run_dir: Path) -> int:
     return 0
 
 
-def preflight(args: argparse.Namespace) -> tuple[DictConfig, dict[str, str], list[str], int]:
+@dataclass(frozen=True)
+class RunOptions:
+    """How runs run: the command-line options of ``run``, ``sweep`` and ``tune`` (the config
+    itself is in the overrides). ``jobs`` is a batch's (sweep, tune): runs at once."""
+
+    num_cpus: float = 1.0                  # CPUs per simulated client
+    num_gpus: float | None = None          # GPUs per simulated client (None: an automatic share)
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    ray_address: str | None = None         # an existing Ray cluster (None: RAY_ADDRESS, else private)
+    cpus: int | None = None                # CPUs of the run's private Ray instance (None: all)
+    keep_temp: bool = False                # keep the private SuperLink's folder in the run folder
+    jobs: int = 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options a command's parser gave (those it does not have keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[str], int]:
     """Everything that can be checked before a Flower process starts (exit 2 on failure):
     the config, the dataset (the whole image tree for image folders: missing or empty
     folders, nested folders, unreadable images, too few images for the split), and the run
     folder (another run's results, or a live run writing it)."""
-    from learning.data import image_tree_problems
     from learning.data_cache import fill_cache, resolve_cache_dir
+    from learning.sources import image_tree_problems
     from ops.recovery import expand_resume
     from server.run_folder import RunFolderError, check_run_folder, finished_summary, lock_is_held
 
-    run_cfg, rest = split_overrides(expand_resume(list(args.overrides)))
+    run_cfg, rest = split_overrides(expand_resume(list(overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     cfg = compose_config(run_cfg, rest)
     run = run_settings(cfg).run
@@ -183,16 +204,23 @@ def fresh(path: Path, since: float) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``pflower run [KEY=VALUE ...] [options]``."""
+    return run_configuration(list(args.overrides), RunOptions.from_args(args))
+
+
+def run_configuration(overrides: list[str], options: RunOptions) -> int:
+    """Run one configuration to its end (resumed by itself when its processes die, at most
+    ``options.max_recoveries`` times); the exit code says how it ended."""
     from ops.deployment.launch import LaunchError
     from server.checkpoint import checkpoint_round
     from server.run_folder import record_recovery
 
     try:
-        cfg, run_cfg, rest, n = preflight(args)
-        ray_cpus = getattr(args, "cpus", None)
-        num_gpus = resolve_gpu_share(cfg, n, args.num_gpus, float(args.num_cpus), ray_cpus)
-        ray_address = use_ray_cluster(getattr(args, "ray_address", None))
-        check_client_resources(float(args.num_cpus), num_gpus, ray_address, ray_cpus)
+        cfg, run_cfg, rest, n = preflight(overrides)
+        ray_cpus = options.cpus
+        num_gpus = resolve_gpu_share(cfg, n, options.num_gpus, options.num_cpus, ray_cpus)
+        ray_address = use_ray_cluster(options.ray_address)
+        check_client_resources(options.num_cpus, num_gpus, ray_address, ray_cpus)
     except RunFinished as done:
         return say_finished(Path(str(done)))
     except (ConfigError, DatasetError) as err:
@@ -202,13 +230,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = settings.run.run_dir
     summary = run_dir / "summary.json"
     started = time.time()
-    federation = simulation_config(n, float(args.num_cpus), num_gpus,
+    federation = simulation_config(n, options.num_cpus, num_gpus,
                                    ray_cpus if ray_address == "local" else None)
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
           + (f" ({number_text(num_gpus)} GPU per client)" if num_gpus else "")
           + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
-    keep = run_dir / "superlink" if getattr(args, "keep_temp", False) else None
-    max_recoveries = int(getattr(args, "max_recoveries", DEFAULT_MAX_RECOVERIES))
+    keep = run_dir / "superlink" if options.keep_temp else None
+    max_recoveries = options.max_recoveries
     recoveries, last_round = 0, checkpoint_round(run_dir) if settings.run.resume else None
     try:
         while True:

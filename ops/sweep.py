@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ from common.config import (
     split_overrides,
 )
 from ops.resources import cpus_per_run, number_text, ray_cluster
-from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, cmd_run
+from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, RunOptions, run_configuration
 
 
 def run_folder(combo: list[str]) -> tuple[Path, bool]:
@@ -65,16 +66,14 @@ def say_reused(who: str, folder: Path) -> None:
     print(f"pflower {who}: {folder} is already done; reusing it (overwrite=true to run it again)", flush=True)
 
 
-def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep") -> tuple[Path | None, bool]:
+def run_or_reuse(combo: list[str], options: RunOptions, who: str = "sweep") -> tuple[Path | None, bool]:
     """Run one configuration, or reuse its finished folder (``overwrite=true`` runs it again).
     Returns (the run folder, or None when it failed; whether it completed only partly)."""
     folder, done = run_folder(combo)
     if done:
         say_reused(who, folder)
         return folder, False
-    code = cmd_run(argparse.Namespace(overrides=continue_unfinished(combo, folder, who), num_cpus=args.num_cpus,
-                                      num_gpus=args.num_gpus,
-                                      max_recoveries=args.max_recoveries, ray_address=args.ray_address))
+    code = run_configuration(continue_unfinished(combo, folder, who), options)
     if code == EXIT_INTERRUPTED:   # Ctrl-C stops the sweep (or tune), not only its current run
         raise KeyboardInterrupt(f"{who} interrupted during {' '.join(combo)}")
     if code not in (0, EXIT_PARTIAL):
@@ -82,20 +81,20 @@ def run_or_reuse(combo: list[str], args: argparse.Namespace, who: str = "sweep")
     return folder, code == EXIT_PARTIAL
 
 
-def run_command(combo: list[str], args: argparse.Namespace) -> list[str]:
+def run_command(combo: list[str], options: RunOptions) -> list[str]:
     """The ``pflower run`` command line of one configuration, with the sweep's options."""
-    cmd = [sys.executable, "-m", "ops.cli", "run", *combo, "--num-cpus", number_text(args.num_cpus),
-           "--max-recoveries", str(args.max_recoveries)]
-    if args.num_gpus is not None:
-        cmd += ["--num-gpus", number_text(args.num_gpus)]
-    if args.ray_address:
-        cmd += ["--ray-address", str(args.ray_address)]
-    if getattr(args, "cpus", None) is not None:
-        cmd += ["--cpus", str(args.cpus)]
+    cmd = [sys.executable, "-m", "ops.cli", "run", *combo, "--num-cpus", number_text(options.num_cpus),
+           "--max-recoveries", str(options.max_recoveries)]
+    if options.num_gpus is not None:
+        cmd += ["--num-gpus", number_text(options.num_gpus)]
+    if options.ray_address:
+        cmd += ["--ray-address", str(options.ray_address)]
+    if options.cpus is not None:
+        cmd += ["--cpus", str(options.cpus)]
     return cmd
 
 
-def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, who: str = "sweep",
+def run_in_parallel(grid: list[list[str]], options: RunOptions, jobs: int, who: str = "sweep",
                     poll_s: float = 1.0) -> list[tuple[Path | None, bool]]:
     """``--jobs N``: the grid's runs N at a time, each a ``pflower run`` process of its own
     (its own SuperLink and Ray instance), so a many-core box runs a table's small runs side by
@@ -107,10 +106,10 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
 
     from ops.deployment.launch import kill_tree
 
-    if ray_cluster(args.ray_address) is None:   # each private Ray gets its share
-        args = argparse.Namespace(**{**vars(args), "cpus": cpus_per_run(jobs)})
-        print(f"pflower {who}: {jobs} runs at once, each on {args.cpus} of this machine's {os.cpu_count()} "
-              f"CPUs ({number_text(args.num_cpus)} per client)", flush=True)
+    if ray_cluster(options.ray_address) is None:   # each private Ray gets its share
+        options = dataclasses.replace(options, cpus=cpus_per_run(jobs))
+        print(f"pflower {who}: {jobs} runs at once, each on {options.cpus} of this machine's {os.cpu_count()} "
+              f"CPUs ({number_text(options.num_cpus)} per client)", flush=True)
     folders = [run_folder(combo) for combo in grid]
     results: dict[Path, tuple[Path | None, bool]] = {}
     waiting: list[tuple[int, list[str], Path]] = []
@@ -128,7 +127,7 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
                 log = folder.parent / ".sweep-logs" / f"{folder.name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with log.open("w") as out:
-                    proc = subprocess.Popen(run_command(continue_unfinished(combo, folder, who), args), stdout=out,
+                    proc = subprocess.Popen(run_command(continue_unfinished(combo, folder, who), options), stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
                 running[folder] = (proc, log, i)
                 print(f"pflower {who}: [{i}/{len(grid)}] started {' '.join(combo)} (output: {log})", flush=True)
@@ -154,23 +153,22 @@ def run_in_parallel(grid: list[list[str]], args: argparse.Namespace, jobs: int, 
     return [results[folder] for folder, _ in folders]
 
 
-def run_all(grid: list[list[str]], args: argparse.Namespace, who: str = "sweep") -> list[tuple[Path | None, bool]]:
+def run_all(grid: list[list[str]], options: RunOptions, who: str = "sweep") -> list[tuple[Path | None, bool]]:
     """A batch of configurations: one after another in this process, or ``--jobs N`` at a time
     (:func:`run_in_parallel`). Returns what :func:`run_or_reuse` returns for each, in order;
     Ctrl-C stops the whole batch (``KeyboardInterrupt``)."""
-    jobs = int(getattr(args, "jobs", 1) or 1)
-    if jobs > 1:
-        return run_in_parallel(grid, args, jobs, who)
+    if options.jobs > 1:
+        return run_in_parallel(grid, options, options.jobs, who)
     outcomes = []
     for i, combo in enumerate(grid, 1):
         print(f"pflower {who}: [{i}/{len(grid)}] {' '.join(combo)}", flush=True)
-        outcomes.append(run_or_reuse(combo, args, who))
+        outcomes.append(run_or_reuse(combo, options, who))
     return outcomes
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """``pflower sweep``: every configuration checked first, then run (or reused), then one table."""
-    from ops.compare import cmd_compare
+    from ops.compare import print_comparison
 
     grid = expand_grid(args.overrides)
     try:  # every run's configuration is checked before the first one starts
@@ -180,7 +178,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"pflower sweep: {err}", file=sys.stderr)
         return 2
     try:
-        outcomes = run_all(grid, args)
+        outcomes = run_all(grid, RunOptions.from_args(args))
     except KeyboardInterrupt:
         print(f"pflower sweep: interrupted ({len(grid)} runs in the grid); finished runs are reused when the "
               "same sweep is run again", file=sys.stderr, flush=True)
@@ -188,7 +186,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     runs = [folder for folder, _ in outcomes if folder is not None]
     failures = sum(1 for folder, partial in outcomes if folder is None or partial)
     if runs:
-        cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
+        print_comparison(runs, args.out, args.plot)
     return 1 if failures else 0
 
 

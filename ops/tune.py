@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, compose_config, expand_grid, override_key, split_overrides
+from ops.running import RunOptions
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,11 @@ def validation_score(run: Path) -> float:
     return float(score)
 
 
-RunAll = Callable[[list[list[str]], argparse.Namespace, str], list[tuple[Path | None, bool]]]
+RunAll = Callable[[list[list[str]], RunOptions, str], list[tuple[Path | None, bool]]]
 
 
 def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], tune_seed: int,
-         args: argparse.Namespace, run_all: RunAll) -> tuple[list[dict[str, Any]], list[Path], int]:
+         options: RunOptions, run_all: RunAll) -> tuple[list[dict[str, Any]], list[Path], int]:
     """For each setting of ``overrides`` (comma lists swept; seed excluded): the grid at
     ``tune_seed``, the best combination on validation, then ``seeds`` at it. Returns the
     choices, the seed runs and the number of failed runs.
@@ -101,7 +102,7 @@ def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], t
     grid_runs = [[*setting, *combo, f"seed={tune_seed}"] for setting, _, combos in settings for combo in combos]
     print(f"pflower tune: {len(grid_runs)} grid runs at seed {tune_seed}, then {len(seeds)} seeds for each of "
           f"{len(settings)} settings", flush=True)
-    outcomes = iter(run_all(grid_runs, args, "tune"))
+    outcomes = iter(run_all(grid_runs, options, "tune"))
     choices: list[dict[str, Any]] = []
     failures = 0
     for setting, strategy, combos in settings:
@@ -122,7 +123,7 @@ def tune(overrides: list[str], axes: Sequence[GridAxis], seeds: Sequence[int], t
               f"(validation accuracy {score:.4f} at seed {tune_seed})", flush=True)
     seed_runs = [[*c["setting"], *c["chosen"], f"seed={seed}"] for c in choices for seed in seeds]
     runs: list[Path] = []
-    for folder, partial in run_all(seed_runs, args, "tune"):
+    for folder, partial in run_all(seed_runs, options, "tune"):
         failures += folder is None or partial
         if folder is not None:
             runs.append(folder)
@@ -141,13 +142,14 @@ def tuning_table(choices: Sequence[dict[str, Any]]) -> str:
 def cmd_tune(args: argparse.Namespace) -> int:
     """The command: the sweep's ``run_all`` runs (or reuses) each batch of configurations,
     ``pflower compare``'s code writes the table."""
-    from ops.compare import cmd_compare
+    from ops.compare import print_comparison
     from ops.sweep import run_all
 
     try:
         axes = [GridAxis.parse(g) for g in args.grid]
         seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
-        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed), args, run_all)
+        choices, runs, failures = tune(list(args.overrides), axes, seeds, int(args.tune_seed),
+                                         RunOptions.from_args(args), run_all)
     except (ConfigError, ValueError) as err:
         print(f"pflower tune: {err}", file=sys.stderr, flush=True)
         return 2
@@ -161,7 +163,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     head = tuning_table(choices)
     print(head, flush=True)
     if runs:
-        cmd_compare(argparse.Namespace(runs=[str(r) for r in runs], out=args.out, plot=args.plot))
+        print_comparison(runs, args.out, args.plot)
         if args.out:
             path = Path(args.out)
             path.write_text(f"Tuned on validation accuracy:\n\n{head}\n\n{path.read_text()}")

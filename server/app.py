@@ -17,9 +17,10 @@ from common.flower_compat import (
     shorten_object_pull_backoff,
 )
 from common.methods import build_method_model, strategy_class
-from learning.data import DatasetError, FederatedData
+from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
+from learning.sources import DatasetError
 from server.loop import run_federation
 from server.results import RunRecorder
 from server.run_folder import RunFolderError, finished_summary, run_config_hint, run_dir_of

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from learning.data import DatasetError, build_federated_data
+from learning.data import build_federated_data
+from learning.sources import DatasetError
 
 BASE = {
     "clients_per_domain": 2, "new_clients_per_domain": 0, "heldout_domains": [], "partition": "iid",
@@ -123,9 +124,10 @@ def test_unknown_source_and_domain_transform():
 # ---------------------------------------------------------------- real embedded digits
 def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
     from common.config import compose_config
-    from learning.data import _load_mnist5k, load_federated_data
+    from learning.data import load_federated_data
+    from learning.sources import load_mnist5k
 
-    x, y = _load_mnist5k()
+    x, y = load_mnist5k()
     assert x.shape == (5000, 1, 28, 28) and 0.0 <= float(x.min()) and float(x.max()) == 1.0
     assert sorted(set(y.tolist())) == list(range(10)) and min(np.bincount(y)) > 400
     cfg = compose_config({"dataset": "mnist5k-rotated"})
@@ -237,7 +239,7 @@ def small_package(tmp_path, monkeypatch):
 def test_pflower_data_fills_a_torchvision_root_from_the_installed_package(tmp_path, small_package, capsys):
     """Each file checked (torchvision's MD5, idx header and counts) and named with its origin;
     torchvision's own MNIST class then reads the root."""
-    from learning.data import _load_torchvision
+    from learning.sources import load_torchvision
     from ops import cli
 
     root = tmp_path / "mnist-root"
@@ -245,7 +247,7 @@ def test_pflower_data_fills_a_torchvision_root_from_the_installed_package(tmp_pa
     out = capsys.readouterr().out
     for name in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         assert f"{name} <- {small_package / (name + '.gz')} (MD5 of the .gz = torchvision's" in out
-    x, y = _load_torchvision("mnist", str(root))
+    x, y = load_torchvision("mnist", str(root))
     assert x.shape == (40, 1, 28, 28) and float(x.max()) <= 1.0 and list(y[:12]) == [*range(10), 0, 1]
     assert cli.main(["data", "mnist", "--root", str(root), "--no-download"]) == 0     # already there
     assert "already holds mnist" in capsys.readouterr().out

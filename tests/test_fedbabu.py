@@ -342,7 +342,7 @@ def test_cifar_configs_use_the_authors_training_settings():
 def test_crop_flip_augmentation_crops_and_flips_the_image():
     from torch.utils.data import TensorDataset
 
-    from learning.data import CropFlip
+    from learning.sources import CropFlip
 
     img = torch.arange(3 * 8 * 8, dtype=torch.float32).reshape(1, 3, 8, 8) + 1
     aug = CropFlip(TensorDataset(img, torch.tensor([7])), pad=2)

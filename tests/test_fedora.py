@@ -22,9 +22,10 @@ import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
 from client.trainer import MODEL_PREFIX, ClientRound
 from common.config import compose_config, run_settings
-from learning.data import DatasetError, build_federated_data, load_federated_data, num_clients
+from learning.data import build_federated_data, load_federated_data, num_clients
 from learning.models import build_model
 from learning.params import get_arrays
+from learning.sources import DatasetError
 from learning.training import OptimConfig, train_epochs
 from strategies.base import ClientUpdate, RunSettings
 from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from common.config import ConfigError, compose_config
-from learning.data import IMAGENET_MEAN, IMAGENET_STD, build_federated_data
+from learning.data import build_federated_data
+from learning.sources import IMAGENET_MEAN, IMAGENET_STD
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ side) is the e2e test at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -24,6 +23,7 @@ import ops.cli as cli
 import ops.compare as compare
 import ops.sweep as sweep
 from ops.resources import simulation_config
+from ops.running import RunOptions
 
 FAKE_RUN = r"""
 import json, os, sys, time
@@ -39,8 +39,8 @@ sys.exit(code)
 """
 
 
-def _args(**kw: object) -> argparse.Namespace:
-    return argparse.Namespace(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address=None, **kw)
+def _options() -> RunOptions:
+    return RunOptions(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address=None)
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def fake_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     script, log = tmp_path / "fake_run.py", tmp_path / "events.jsonl"
     script.write_text(FAKE_RUN)
 
-    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+    def command(combo: list[str], options: RunOptions) -> list[str]:
         folder, _ = sweep.run_folder(combo)
         seed = next(int(c.split("=")[1]) for c in combo if c.startswith("seed="))
         code = {13: 1, 14: sweep.EXIT_PARTIAL}.get(seed, 0)
@@ -79,7 +79,7 @@ def test_runs_n_at_a_time_and_maps_every_outcome_as_the_sequential_sweep(fake_ru
     done_before.mkdir(parents=True)
     (done_before / "summary.json").write_text("{}")
 
-    outcomes = sweep.run_in_parallel(grid + [grid[0]], _args(), jobs=2, poll_s=0.05)
+    outcomes = sweep.run_in_parallel(grid + [grid[0]], _options(), jobs=2, poll_s=0.05)
 
     folders = [sweep.run_folder(c)[0] for c in grid]
     assert outcomes == [(folders[0], False), (folders[1], False), (None, False), (folders[3], True),
@@ -93,7 +93,7 @@ def test_runs_n_at_a_time_and_maps_every_outcome_as_the_sequential_sweep(fake_ru
 
 def test_one_job_at_a_time_never_overlaps(fake_runs: Path, tmp_path: Path) -> None:
     grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
-    outcomes = sweep.run_in_parallel(grid, _args(), jobs=1, poll_s=0.05)
+    outcomes = sweep.run_in_parallel(grid, _options(), jobs=1, poll_s=0.05)
     assert all(folder is not None for folder, _ in outcomes)
     assert _most_at_once(_events(fake_runs)) == 1
 
@@ -115,7 +115,7 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
 
     threading.Thread(target=interrupt_soon, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        sweep.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)
+        sweep.run_in_parallel(grid, _options(), jobs=2, poll_s=0.05)
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 2                        # the third never started
     for pid in started:
@@ -126,7 +126,7 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
 
 def test_the_command_of_each_run_carries_the_sweeps_options() -> None:
     cmd = sweep.run_command(["strategy=fedbn", "seed=1"],
-                          argparse.Namespace(num_cpus=4.0, num_gpus=0.25, max_recoveries=2, ray_address="10.0.0.1:6379"))
+                          RunOptions(num_cpus=4.0, num_gpus=0.25, max_recoveries=2, ray_address="10.0.0.1:6379"))
     assert cmd[1:] == ["-m", "ops.cli", "run", "strategy=fedbn", "seed=1", "--num-cpus", "4",
                        "--max-recoveries", "2", "--num-gpus", "0.25", "--ray-address", "10.0.0.1:6379"]
 
@@ -153,20 +153,20 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     seen: list[list[str]] = []
     real_command = sweep.run_command
 
-    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
-        seen.append(real_command(combo, args))
+    def command(combo: list[str], options: RunOptions) -> list[str]:
+        seen.append(real_command(combo, options))
         return [sys.executable, "-c", "pass"]
 
     monkeypatch.setattr(sweep, "run_command", command)
     grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2,3,4,5"])
-    sweep.run_in_parallel(grid, _args(), jobs=6, poll_s=0.01)
+    sweep.run_in_parallel(grid, _options(), jobs=6, poll_s=0.01)
     assert len(seen) == 6
     assert all(cmd[cmd.index("--cpus") + 1] == "2" for cmd in seen), seen
     seen.clear()
-    sweep.run_in_parallel(grid, _args(), jobs=3, poll_s=0.01)
+    sweep.run_in_parallel(grid, _options(), jobs=3, poll_s=0.01)
     assert all(cmd[cmd.index("--cpus") + 1] == "5" for cmd in seen), seen     # 16 // 3
     seen.clear()
-    cluster = argparse.Namespace(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address="10.0.0.1:6379")
+    cluster = RunOptions(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address="10.0.0.1:6379")
     sweep.run_in_parallel(grid, cluster, jobs=6, poll_s=0.01)
     assert seen and all("--cpus" not in cmd for cmd in seen)
 
@@ -233,14 +233,14 @@ def test_tune_with_jobs_runs_every_grid_side_by_side_then_every_seed(tmp_path: P
     script, log = tmp_path / "fake_run.py", tmp_path / "events.jsonl"
     script.write_text(FAKE_RUN)
 
-    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+    def command(combo: list[str], options: RunOptions) -> list[str]:
         values = dict(c.split("=", 1) for c in combo)
         val = 0.9 - abs(float(values["train.lr"]) - (0.05 if values["strategy"] == "fedavg" else 0.1))
         summary = json.dumps({"best_val_accuracy": val, "accuracy_mean": 0.5})
         return [sys.executable, str(script), str(sweep.run_folder(combo)[0]), str(log), "0.3", "0", summary]
 
     monkeypatch.setattr(sweep, "run_command", command)
-    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(compare, "print_comparison", lambda *args: 0)
     root = tmp_path / "r"
     assert cli.main(["tune", f"results_root={root}", "strategy=fedavg,fedbn", "--grid", "train.lr=0.01,0.05,0.1",
                      "--seeds", "0,1", "--tune-seed", "5", "--jobs", "2"]) == 0
@@ -261,17 +261,17 @@ def test_ctrl_c_during_a_run_stops_the_whole_sweep_and_tune(tmp_path: Path, monk
     used to go on with the next configuration."""
     started: list[list[str]] = []
 
-    def interrupted_second(args: argparse.Namespace) -> int:
-        started.append(list(args.overrides))
+    def interrupted_second(overrides: list[str], options: RunOptions) -> int:
+        started.append(list(overrides))
         if len(started) == 2:
             return sweep.EXIT_INTERRUPTED                              # the second is Ctrl-C'd
-        folder, _ = sweep.run_folder(list(args.overrides))             # the first ends (partly)
+        folder, _ = sweep.run_folder(list(overrides))                  # the first ends (partly)
         folder.mkdir(parents=True)
         (folder / "summary.json").write_text(json.dumps({"best_val_accuracy": 0.5}))
         return sweep.EXIT_PARTIAL
 
-    monkeypatch.setattr(sweep, "cmd_run", interrupted_second)
-    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(sweep, "run_configuration", interrupted_second)
+    monkeypatch.setattr(compare, "print_comparison", lambda *args: 0)
     grid = [f"results_root={tmp_path / 's'}", "strategy=fedavg", "seed=0,1,2"]
     assert cli.main(["sweep", *grid]) == sweep.EXIT_INTERRUPTED
     assert len(started) == 2                                   # seed 2 never started
@@ -301,24 +301,24 @@ def test_a_sweep_run_again_goes_on_with_its_unfinished_runs(tmp_path: Path, monk
     (folders[3] / "metrics.jsonl").write_text("{}\n")                                # results, no checkpoint
     ran: list[list[str]] = []
 
-    def fake_run(args: argparse.Namespace) -> int:
-        ran.append(list(args.overrides))
+    def fake_run(overrides: list[str], options: RunOptions) -> int:
+        ran.append(list(overrides))
         return 0
 
-    monkeypatch.setattr(sweep, "cmd_run", fake_run)
-    monkeypatch.setattr(compare, "cmd_compare", lambda args: 0)
+    monkeypatch.setattr(sweep, "run_configuration", fake_run)
+    monkeypatch.setattr(compare, "print_comparison", lambda *args: 0)
     assert cli.main(["sweep", *grid[0][:1], "strategy=fedavg", "seed=0,1,2,3"]) == 0
     assert ran == [[f"resume={folders[1]}"], [*grid[2], "overwrite=true"], grid[3]]
     assert sweep.continue_unfinished(grid[1], tmp_path / "never-ran") == grid[1]
     assert sweep.continue_unfinished([*grid[1], "overwrite=true"], folders[1]) == [*grid[1], "overwrite=true"]
     started: list[list[str]] = []
 
-    def command(combo: list[str], args: argparse.Namespace) -> list[str]:
+    def command(combo: list[str], options: RunOptions) -> list[str]:
         started.append(combo)
         return [sys.executable, "-c", "pass"]
 
     monkeypatch.setattr(sweep, "run_command", command)
-    sweep.run_in_parallel(grid, _args(), jobs=2, poll_s=0.05)                         # --jobs: the same
+    sweep.run_in_parallel(grid, _options(), jobs=2, poll_s=0.05)                         # --jobs: the same
     assert sorted(map(str, started)) == sorted(map(str, ran))
 
 

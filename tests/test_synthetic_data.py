@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from common.config import ConfigError, compose_config
-from learning.data import SyntheticImages, build_federated_data
+from learning.data import build_federated_data
+from learning.sources import SyntheticImages
 
 
 def _images(ds, n: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -3,7 +3,6 @@ test accuracy), then the seeds at the chosen values."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from helpers import pflower
 
 from common.config import ConfigError
+from ops.running import RunOptions
 from ops.tune import GridAxis, grid_for, select_best, tune, tuning_table
 
 
@@ -42,7 +42,7 @@ class FakeRuns:
     def __init__(self, root: Path) -> None:
         self.root, self.calls = root, []
 
-    def __call__(self, combo: list[str], args: argparse.Namespace, who: str) -> tuple[Path | None, bool]:
+    def __call__(self, combo: list[str], options: RunOptions, who: str) -> tuple[Path | None, bool]:
         self.calls.append(combo)
         values = dict(o.split("=", 1) for o in combo)
         lr, strategy = float(values["train.lr"]), values["strategy"]
@@ -53,15 +53,15 @@ class FakeRuns:
                                                          "accuracy_mean": lr}))
         return folder, False
 
-    def all(self, combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
+    def all(self, combos: list[list[str]], options: RunOptions, who: str) -> list[tuple[Path | None, bool]]:
         """As ``ops/sweep.py``'s ``run_all`` one at a time (a batch of ``run_or_reuse`` calls)."""
-        return [self(c, args, who) for c in combos]
+        return [self(c, options, who) for c in combos]
 
 
 def test_each_strategy_is_tuned_on_validation_then_run_at_its_choice_for_every_seed(tmp_path: Path) -> None:
     runs = FakeRuns(tmp_path)
     choices, seed_runs, failures = tune(["strategy=fedavg,fedbn", "rounds=2"], [GridAxis.parse("train.lr=0.01,0.05,0.1")],
-                                        [0, 1, 2], 7, argparse.Namespace(), runs.all)
+                                        [0, 1, 2], 7, RunOptions(), runs.all)
     assert failures == 0
     assert [c["chosen"] for c in choices] == [["train.lr=0.05"], ["train.lr=0.01"]]   # not the test optimum 0.1
     assert all(c[-1] == "seed=7" for c in runs.calls[:6])        # first every grid run, at the tuning seed
@@ -74,26 +74,26 @@ def test_each_strategy_is_tuned_on_validation_then_run_at_its_choice_for_every_s
 
 def test_seeds_come_from_the_option_and_validation_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--seeds"):
-        tune(["strategy=fedavg", "seed=0"], [], [0], 0, argparse.Namespace(), FakeRuns(tmp_path).all)
+        tune(["strategy=fedavg", "seed=0"], [], [0], 0, RunOptions(), FakeRuns(tmp_path).all)
 
-    def no_validation(combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
+    def no_validation(combos: list[list[str]], options: RunOptions, who: str) -> list[tuple[Path | None, bool]]:
         folder = tmp_path / "noval"
         folder.mkdir(exist_ok=True)
         (folder / "summary.json").write_text(json.dumps({"accuracy_mean": 0.5}))
         return [(folder, False) for _ in combos]
 
     with pytest.raises(ConfigError, match="dataset.val_fraction > 0"):
-        tune(["strategy=fedavg"], [GridAxis.parse("train.lr=0.1")], [0], 0, argparse.Namespace(), no_validation)
+        tune(["strategy=fedavg"], [GridAxis.parse("train.lr=0.1")], [0], 0, RunOptions(), no_validation)
 
 
 def test_a_method_whose_grid_all_failed_is_skipped_and_the_others_go_on(tmp_path: Path) -> None:
     runs = FakeRuns(tmp_path)
 
-    def fedbn_fails(combos: list[list[str]], args: argparse.Namespace, who: str) -> list[tuple[Path | None, bool]]:
-        return [(None, False) if "strategy=fedbn" in c else runs(c, args, who) for c in combos]
+    def fedbn_fails(combos: list[list[str]], options: RunOptions, who: str) -> list[tuple[Path | None, bool]]:
+        return [(None, False) if "strategy=fedbn" in c else runs(c, options, who) for c in combos]
 
     choices, seed_runs, failures = tune(["strategy=fedbn,fedavg"], [GridAxis.parse("train.lr=0.01,0.05")], [0, 1], 7,
-                                        argparse.Namespace(), fedbn_fails)
+                                        RunOptions(), fedbn_fails)
     assert [c["strategy"] for c in choices] == ["fedavg"]
     assert failures == 2                                          # fedbn's two grid runs
     assert [r.name for r in seed_runs] == ["strategy_fedavg-train.lr_0.05-seed_0", "strategy_fedavg-train.lr_0.05-seed_1"]

@@ -339,8 +339,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         split_overrides,
         to_toml_run_config,
     )
-    from learning.data import DatasetError, num_clients
+    from learning.data import num_clients
     from learning.data_cache import fill_cache, resolve_cache_dir
+    from learning.sources import DatasetError
     from ops.recovery import expand_resume
     from server.run_folder import RunFolderError, check_run_folder
 
