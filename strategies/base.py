@@ -96,7 +96,7 @@ class RunSettings:
         return cls(seed=run.seed, rounds=run.rounds, fraction_train=run.fraction_train,
                    min_train_clients=min(run.min_train_clients, num_clients),
                    wait_for_clients=run.wait_for_clients, round_timeout=run.round_timeout,
-                   norm_bound=run.norm_bound, run_dir=Path(run.results_root) / run.run_name,
+                   norm_bound=run.norm_bound, run_dir=run.run_dir,
                    stream_replies_mb=run.stream_replies_mb)
 
 
