@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from learning.data import load_federated_data
     from learning.params import get_arrays, set_arrays
     from server.app import build_strategy
-    from strategies.base import ClientUpdate
+    from strategies.base import ClientUpdate, TrainRound
 
     cpu = torch.device("cpu")
     cfg = compose_config({}, [*OVERRIDES, f"seed={args.seed}"])
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     server.sample = lambda: list(range(len(ids)))
     server.communicate = lambda chosen: {"model": [load_theirs(fdse.PACSModel(), trained[ids[i]]) for i in chosen]}
     fdse.Server.iterate(server)
-    strategy.aggregate_updates(1, [ClientUpdate(cid, i, r.upload, r.num_examples, dict(r.metrics))
+    strategy.aggregate_updates(TrainRound.handed(1), [ClientUpdate(cid, i, r.upload, r.num_examples, dict(r.metrics))
                                    for i, (cid, r) in enumerate(results.items())])
     theirs_global = server.model.state_dict()
     weights, stats = strategy.groups["consensus"], strategy.groups["bn_stats"]

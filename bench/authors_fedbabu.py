@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.config import compose_config, run_settings
     from learning.data import load_federated_data
     from server.app import build_strategy
-    from strategies.base import ClientUpdate
+    from strategies.base import ClientUpdate, TrainRound
 
     cfg = compose_config({}, ["experiment=fedbabu-cifar100-tau10", "strategy=fedbabu", "model=cnn4", "dataset.synthetic=true",
                               "dataset.synthetic_samples=[600]", "dataset.clients_per_domain=3",
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
           f"over the uploaded body {worst:.2e}")
 
     # 3. the aggregation
-    strategy.aggregate_updates(1, [u for u, _ in updates])
+    strategy.aggregate_updates(TrainRound.handed(1), [u for u, _ in updates])
     avg = FedAvg([w for _, w in updates])
     agg = max(float(np.abs(strategy.global_arrays[k] - avg[to_theirs[k]].numpy()).max())
               for k in updates[0][0].arrays if np.issubdtype(strategy.global_arrays[k].dtype, np.floating))

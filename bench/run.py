@@ -4,9 +4,9 @@
     python -m bench.run              # bigger aggregation sizes (d up to 11.2M), more rounds
 
 (a) ``loop``: the plain PyTorch loop (``bench/plain_loop.py``) against ``pflower run`` on
-    the same FedAvg work, at 8 clients (the default run) and at FEDORA's 36: start-up to
-    round 1 and seconds per round, as ratios, and where a client message's time goes
-    (``bench/message_parts.py``).
+    the same FedAvg work, at 8 clients (the default run), at FEDORA's 36 and (not with
+    ``--quick``) at FedBABU's 100: start-up to round 1 and seconds per round, as ratios, and
+    where a client message's time goes (``bench/message_parts.py``).
 (b) ``aggregation``: FedAvg against FDSE's MGDA consensus and attention and FEDORA's
     propagation for K clients and d parameters: seconds, ratio to FedAvg, peak extra memory.
 (c) ``bytes``: bytes down / up per client in one round of every method, from the real
@@ -128,6 +128,13 @@ LOOP_SETTINGS = {
     "36 clients, mlp (FEDORA's Rotated MNIST)": [
         "experiment=fedora-mnist5k-rotated", "strategy=fedavg", "dataset.samples_per_client=128",
         "dataset.domains=[" + ",".join(f"rotate-{a}" for a in range(0, 360, 10)) + "]"],
+}
+# and, without --quick, FedBABU's 100 clients of its 4-layer CNN on CIFAR-100-shaped images
+# (generated: no CIFAR-100 here), shard split, 120 images a client where the paper has 600
+# (both sides generate each image on every read, the same work, which the ratio includes)
+PAPER_LOOP_SETTINGS = {
+    "100 clients, cnn4 (FedBABU's CIFAR-100 shape, synthetic)": [
+        "dataset=cifar100", "model=cnn4", "dataset.synthetic=true", "dataset.synthetic_samples=[12000]"],
 }
 
 
@@ -377,7 +384,8 @@ def main() -> None:
     if "a" in only:
         print("## (a) simulation vs plain loop\n", flush=True)
         parts: dict[str, MessageParts] = {}
-        for label, overrides in LOOP_SETTINGS.items():
+        settings = LOOP_SETTINGS if args.quick else {**LOOP_SETTINGS, **PAPER_LOOP_SETTINGS}
+        for label, overrides in settings.items():
             table, parts[label] = bench_loop(5 if args.quick else 20, [*overrides, *args.set])
             print(f"### {label}\n\n{table}\n", flush=True)
         print("### Where a client message's time goes (rounds 2 on; bench/message_parts.py)\n\n"

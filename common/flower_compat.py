@@ -309,9 +309,8 @@ def run_clientapp_task(argv: list[str], handle: Callable[[Any, Any, Any, Any], t
 # add_messages_to_queue) asks the in-memory LinkState for each node's next message, for every
 # node, every 0.1 s; InMemoryLinkState.get_message_ins answers by scanning every stored message
 # (and checking each one's expiry) for each node: N nodes x M messages per 0.1 s, quadratic in
-# the clients. At 1,000 clients this scan was most of the simulation process's time (py-spy,
-# docs/benchmarks.md (f)) and a round cost 45 ms per client against 23 ms at 100. The
-# replacement keeps, per node, the ids of its messages in the order they were stored and gives
+# the clients (at 1,000 clients, most of the simulation process's time: docs/benchmarks.md
+# (f)). The replacement keeps, per node, the ids of its messages in the order they were stored and gives
 # the same answer: the node's oldest undelivered messages of the run (up to ``limit``), marked
 # delivered, each checked for expiry and federation first as Flower does.
 _INDEX = "_pflower_undelivered"

@@ -3,9 +3,8 @@
 Why: in a deployment Flower starts one ``flwr-clientapp`` process per message, and building
 the federated dataset (importing scikit-learn / torchvision, transforming every domain,
 partitioning) is paid by every one of them (measured in docs/benchmarks.md). The first
-process on a machine builds the whole
-dataset once (as before) and writes every client's split; every later process reads its
-own split in milliseconds, with no scikit-learn or torchvision import.
+process on a machine builds the whole dataset once and writes every client's split; every
+later process reads its own split, with no scikit-learn or torchvision import.
 
 Layout: ``<cache_dir>/<key>/info.json`` (name, classes, input shape, client ids) and
 ``<cache_dir>/<key>/<client id>.npz`` (x/y of train, val, test, the global sample ids,

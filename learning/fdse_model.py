@@ -148,17 +148,18 @@ class _DSEBase(nn.Module):
 class DSEConv(_DSEBase):
     """Convolution decomposed into DFE (shared) + DSE (personal) (FDSE Eq. 2-3, Table A7).
 
-    Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation: as the original
-            ``nn.Conv2d`` (the DFE conv keeps them, with ``ceil(T/G)`` output channels).
-        G: expansion factor (paper: 2).
-        dw_size: kernel of the personal depthwise conv (paper: 3 for convs).
-        relu: apply the final ReLU (False when replacing a conv+BN inside a ResNet block).
-        dse_activation: activation after BN_DSE: "relu" (paper), "none" (authors' code
-            default), "leaky_relu".
-        out_bias: add the code's shared bias after the concat.
-        bias: bias of the DFE conv (PyTorch default True, as in paper and code).
-        bn_eps, bn_momentum: BatchNorm settings (both BNs).
+    Parameters
+    ----------
+    in_channels, out_channels, kernel_size, stride, padding, dilation : as the original
+        ``nn.Conv2d`` (the DFE conv keeps them, with ``ceil(T/G)`` output channels).
+    G : expansion factor (paper: 2).
+    dw_size : kernel of the personal depthwise conv (paper: 3 for convs).
+    relu : apply the final ReLU (False when replacing a conv+BN inside a ResNet block).
+    dse_activation : activation after BN_DSE: "relu" (paper), "none" (authors' code
+        default), "leaky_relu".
+    out_bias : add the code's shared bias after the concat.
+    bias : bias of the DFE conv (PyTorch default True, as in paper and code).
+    bn_eps, bn_momentum : BatchNorm settings (both BNs).
     """
 
     def __init__(

@@ -20,14 +20,14 @@ from contextlib import nullcontext
 from logging import INFO
 from typing import Any
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from common.config import run_settings
 from common.flower_compat import send_and_receive
-from common.protocol import EVAL_METRICS_KEY, EVALUATE_ROUND, to_record
+from common.protocol import EVALUATE_ROUND
 from common.settings import RunKeys
 from common.timing import note, part, timed, timing_folder
 from server.checkpoint import (
@@ -93,14 +93,12 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     t0 = time.monotonic()
     run = run_settings(cfg).run
     with part("configure"):
-        messages = list(strategy.configure_train(server_round, to_record(strategy.global_arrays),
-                                                 ConfigRecord({**base_config, **fused.train_config()}), grid))
         # each reply is validated as it arrives, and folded into the mean at once when the
         # round's replies would not fit side by side (strategy.streams_round)
-        receiver = strategy.receive_train(server_round)
+        train = strategy.begin_train(server_round, {**base_config, **fused.train_config()}, grid)
     with part("replies"):   # the clients' work, and each reply taken in as it arrives
-        replies = send_and_receive(grid, messages, timeout=run.round_timeout, on_reply=receiver.take)
-    del messages
+        replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take)
+    train.messages.clear()
     pending = fused.take()
     if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
         with part("evaluate"):
@@ -108,7 +106,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         recorder.attach_evaluation(pending, carried)
         latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
     with part("aggregate"):
-        result = strategy.aggregate_round(server_round, receiver)
+        result = strategy.aggregate_round(train)
     comm = result.log
     record: dict[str, Any] = {
         "round": server_round,
@@ -192,21 +190,17 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
     """Round ``server_round``'s evaluation of every connected client: the evaluations that came with
     ``train_replies`` (``eval_in_train``) plus evaluate messages to every other client (not
     sampled, failed, or all of them when there are no such replies)."""
-    carried = [m for m in (train_replies or [])
-               if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
-    done = {strategy.directory.sender_of(m) for m in carried}
-    others = [c for c in strategy.directory.connected(grid) if c not in done]
     run = run_settings(cfg).run
-    eval_cfg = ConfigRecord({**base_config, "final": server_round == run.rounds})
-    messages = strategy.evaluate_messages(server_round, eval_cfg, others, already=done)
-    replies = send_and_receive(grid, messages, timeout=run.round_timeout) if messages else []
-    evaluation = strategy.evaluation_of(server_round, [*carried, *replies])
+    evaluate = strategy.begin_evaluate(server_round, {**base_config, "final": server_round == run.rounds}, grid,
+                                       carried=train_replies or ())
+    replies = send_and_receive(grid, evaluate.messages, timeout=run.round_timeout) if evaluate.messages else []
+    evaluation = strategy.evaluation_of(evaluate, replies)
     summary = evaluation.summary()
     if summary is None:
         return {}
     if train_replies is not None:
         ev = summary
         log(INFO, "[round %d] evaluation (with round %d's training: %d, by evaluate message: %d) | "
-            "accuracy mean %.4f min %.4f", server_round, server_round + 1, len(carried), len(messages),
-            ev["accuracy_mean"], ev["accuracy_min"])
+            "accuracy mean %.4f min %.4f", server_round, server_round + 1, len(evaluate.carried),
+            len(evaluate.messages), ev["accuracy_mean"], ev["accuracy_min"])
     return {"evaluate": summary, "clients": evaluation.per_client, "eval_failed": evaluation.failed}

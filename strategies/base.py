@@ -7,9 +7,17 @@
 and sends every client its own payload: the global arrays overlaid with its personal ones
 (:meth:`payload_for`). Which node serves which client is the :class:`ClientDirectory`'s
 business (``strategies/addressing.py``); what counts as a valid reply is decided by the
-pure functions of ``strategies/replies.py``. The round loop (``server/loop.py``) takes
-return values: :meth:`aggregate_round` gives the round's train metrics and log,
-:meth:`evaluation_of` the round's evaluation.
+pure functions of ``strategies/replies.py``.
+
+A round passes between the strategy's calls as explicit values, never as attributes set by
+one call for the next: :meth:`begin_train` returns a :class:`TrainRound` (the messages, what
+each client was sent, the receiver that validates replies as they arrive, the running mean
+when the round streams), :meth:`aggregate_round` takes it back and returns the round's train
+metrics and log; :meth:`begin_evaluate` returns an :class:`EvaluateRound` that
+:meth:`evaluation_of` takes with the replies. pflower's loop (``server/loop.py``) calls
+these. Flower's own ``Strategy`` interface (``configure_train`` / ``aggregate_train`` /
+``configure_evaluate`` / ``aggregate_evaluate``, driven by ``Strategy.start``) carries no
+round object between its calls, so those four wrappers keep the one round in flight.
 
 A method overrides :meth:`aggregate_updates` (the math, delegating to pure functions) and,
 if it needs to, :meth:`payload_for`, :meth:`check_upload`, :meth:`round_extras`,
@@ -33,22 +41,18 @@ from flwr.serverapp.strategy import Strategy
 
 from common.methods import method_options, parameter_roles
 from common.options import MethodOptions
-from common.protocol import client_sort_key, to_record
+from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
 from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
 from learning.params import NDArrays, RunningMean, num_bytes, weighted_mean
-from strategies.addressing import ClientDirectory, place_clients
+from strategies.addressing import ClientDirectory
 from strategies.replies import (
     ClientUpdate,
     Evaluation,
     RoundFailedError,
     RoundLog,
     TrainReplies,
-    conform_scalars,
     mean_train_metrics,
     parse_evaluation_replies,
-    short_reason,
-    summarise_clients,
-    validate_arrays,
 )
 
 if TYPE_CHECKING:
@@ -56,9 +60,9 @@ if TYPE_CHECKING:
 
     from common.settings import RunKeys
 
-__all__ = ["ClientUpdate", "Evaluation", "PersonalizedStrategy", "RoundFailedError", "RoundLog",
-           "RunSettings", "TrainReplies", "TrainResult", "client_labels", "client_sort_key", "conform_scalars",
-           "place_clients", "short_reason", "summarise_clients", "validate_arrays"]
+# what a method's server module needs (the replies' own names are in strategies/replies.py)
+__all__ = ["ClientUpdate", "EvaluateRound", "Evaluation", "PersonalizedStrategy", "RunSettings", "TrainResult",
+           "TrainRound", "client_labels"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,60 @@ class RunSettings:
                    wait_for_clients=run.wait_for_clients, round_timeout=run.round_timeout,
                    norm_bound=run.norm_bound, run_dir=run.run_dir,
                    stream_replies_mb=run.stream_replies_mb)
+
+
+@dataclass
+class TrainRound:
+    """One round's training, from the messages sent to the update it gives.
+
+    Parameters
+    ----------
+    server_round : the round.
+    messages : the train messages, one per sampled client.
+    sent : client id -> the payload of its train message (what an update is checked against).
+    replies : the receiver that validates each reply as it arrives (:meth:`TrainReplies.take`).
+    running : the mean the valid replies are folded into as they arrive, when the round
+        streams (:meth:`PersonalizedStrategy.streams_round`); None otherwise.
+    """
+
+    server_round: int
+    messages: list[Message]
+    sent: dict[str, NDArrays]
+    replies: TrainReplies
+    running: RunningMean | None = None
+
+    @classmethod
+    def handed(cls, server_round: int, sent: Mapping[str, NDArrays] | None = None) -> TrainRound:
+        """Round ``server_round`` with no messages, for updates handed to
+        :meth:`PersonalizedStrategy.aggregate_updates` directly (a check against an author's
+        code, a test); ``sent``: what each client was sent (none: the global arrays)."""
+        sent = dict(sent or {})
+        return cls(server_round, [], sent, TrainReplies(sent, lambda msg: "", {}))
+
+    def take_all(self, replies: Iterable[Message]) -> None:
+        """Take replies that arrived together (Flower's ``aggregate_train``, a test's grid)."""
+        for msg in replies:
+            self.replies.take(msg)
+
+
+@dataclass
+class EvaluateRound:
+    """One round's evaluation as asked.
+
+    Parameters
+    ----------
+    server_round : the round evaluated.
+    messages : the evaluate messages (to the clients whose evaluation did not come with
+        their train reply).
+    asked : every client whose evaluation the round expects: those of ``carried``, then
+        those messaged; one asked that does not answer is marked failed.
+    carried : train replies that carry this round's evaluation (``eval_in_train``).
+    """
+
+    server_round: int
+    messages: list[Message]
+    asked: list[str]
+    carried: list[Message]
 
 
 @dataclass
@@ -164,9 +222,10 @@ class PersonalizedStrategy(Strategy):
         self.rng = random.Random(run.seed)
         self.directory = ClientDirectory(self.client_ids, run.min_train_clients, run.wait_for_clients,
                                          run.round_timeout)
-        self.sent: dict[str, NDArrays] = {}       # client id -> the payload of its train message
-        self.running: RunningMean | None = None   # this round's folded mean, when it streams
-        self._asked_to_evaluate: list[str] = []
+        # the one round in flight between Flower's configure_* and aggregate_* calls (only
+        # those four wrappers use them; pflower's loop passes the round objects itself)
+        self._flower_train: TrainRound | None = None
+        self._flower_evaluate: EvaluateRound | None = None
 
     # ------------------------------------------------------------------ method hooks
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -190,21 +249,27 @@ class PersonalizedStrategy(Strategy):
             payload.update(self.personal[client_id])
         return payload
 
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """FedAvg over the uploaded keys (a method overrides this with its own rule)."""
-        mean = self.mean_of(updates)
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+        """FedAvg over the uploaded keys (a method overrides this with its own rule).
+
+        Parameters
+        ----------
+        train : the round as sent (``server_round``, ``sent``, the streamed mean ``running``).
+        updates : the valid updates, ordered by client id.
+        """
+        mean = self.mean_of(updates, train.running)
         if mean is None:
             return
         self.global_arrays.update(mean)
         log(INFO, "aggregate: FedAvg of %d tensors over %d clients%s", len(mean), len(updates),
-            " (folded as they arrived)" if self.running is not None else "")
+            " (folded as they arrived)" if train.running is not None else "")
 
-    def mean_of(self, updates: list[ClientUpdate]) -> NDArrays | None:
+    def mean_of(self, updates: list[ClientUpdate], running: RunningMean | None = None) -> NDArrays | None:
         """sum_k w_k a_k / sum_k w_k over the uploads (w_k = n_k, or 1 with ``weighted=false``):
-        the running mean the replies were folded into when the round streamed, otherwise the
-        mean of the updates in client order; None when nothing was uploaded."""
-        if self.running is not None and self.running.count:
-            return self.running.result()
+        ``running``, the mean the replies were folded into when the round streamed, otherwise
+        the mean of the updates in client order; None when nothing was uploaded."""
+        if running is not None and running.count:
+            return running.result()
         uploaded = [u for u in updates if u.arrays]
         if not uploaded:
             return None
@@ -215,15 +280,15 @@ class PersonalizedStrategy(Strategy):
         """Each update's weight in the mean: its sample count, or 1 with ``weighted=false``."""
         return [float(u.num_examples) if self.weighted else 1.0 for u in updates]
 
-    def streams_round(self, server_round: int) -> bool:
+    def streams_round(self, server_round: int, sent: Mapping[str, NDArrays]) -> bool:
         """Whether this round folds each train reply into the mean as it arrives (server memory:
         one model, not one per client): when the rule is the mean and the round's uploads are
-        expected (from what was sent) to exceed ``stream_replies_mb``. Not bit for bit the
+        expected (from what was ``sent``) to exceed ``stream_replies_mb``. Not bit for bit the
         client-order mean (:class:`learning.params.RunningMean`), hence only past the limit."""
         limit = self.run.stream_replies_mb
         if not self.mean_rule or limit is None:
             return False
-        return limit == 0 or sum(num_bytes(p) for p in self.sent.values()) / 1e6 > limit
+        return limit == 0 or sum(num_bytes(p) for p in sent.values()) / 1e6 > limit
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Method-specific values to record in this round's metrics line (JSON-able)."""
@@ -239,58 +304,47 @@ class PersonalizedStrategy(Strategy):
         log(INFO, "\t└──> %d clients expected: %s", len(self.client_ids), ", ".join(self.client_ids))
 
     # ------------------------------------------------------------------ train
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """Sample ``fraction_train`` of the connected clients (at least ``min_train_clients``)
-        and send each its payload."""
+    def begin_train(self, server_round: int, config: Mapping[str, Any], grid: Grid) -> TrainRound:
+        """Sample ``fraction_train`` of the connected clients (at least ``min_train_clients``),
+        build each its train message, and the receiver that validates each reply as it arrives
+        and, when the round streams (:meth:`streams_round`), folds it into the mean at once."""
         clients = self.directory.connected(grid)
         k = max(self.run.min_train_clients, int(round(len(clients) * self.run.fraction_train)))
         # sample over the list ordered by client id, so the same seed picks the same clients
         # in every run (node ids differ between runs)
         sampled = self.rng.sample(clients, min(k, len(clients)))
         sampled.sort(key=clients.index)
-        cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
+        cfg = {**self.train_config, **dict(config), "server-round": server_round}
         self.directory.begin(MessageType.TRAIN)
-        self.sent = {cid: self.payload_for(cid) for cid in sampled}
+        sent = {cid: self.payload_for(cid) for cid in sampled}
         log(INFO, "configure_train: round %d, sampled %d of %d clients", server_round, len(sampled),
             len(clients))
-        return [self.directory.message(cid, payload, cfg, MessageType.TRAIN) for cid, payload in self.sent.items()]
-
-    def receive_train(self, server_round: int) -> TrainReplies:
-        """The receiver of this round's train replies: each reply is validated as it arrives
-        (``TrainReplies.take``) and, when the round streams (:meth:`streams_round`), folded into
-        the mean at once and dropped."""
-        self.running = RunningMean() if self.streams_round(server_round) else None
+        messages = [self.directory.message(cid, payload, cfg, MessageType.TRAIN) for cid, payload in sent.items()]
+        running = RunningMean() if self.streams_round(server_round, sent) else None
         fold = None
-        if self.running is not None:
-            running = self.running
-
+        if running is not None:
             def fold(update: ClientUpdate) -> None:
                 running.add(update.arrays, self.weights_of([update])[0])
 
             log(INFO, "configure_train: round %d's replies are folded into the mean as they arrive "
                 "(%.0f MB expected, stream_replies_mb=%s)", server_round,
-                sum(num_bytes(p) for p in self.sent.values()) / 1e6, self.run.stream_replies_mb)
-        return TrainReplies(self.sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
-                            check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason,
-                            fold=fold)
+                sum(num_bytes(p) for p in sent.values()) / 1e6, self.run.stream_replies_mb)
+        receiver = TrainReplies(sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
+                                check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason,
+                                fold=fold)
+        return TrainRound(server_round, messages, sent, receiver, running)
 
-    def aggregate_round(self, server_round: int, replies: Iterable[Message] | TrainReplies) -> TrainResult:
-        """Validate the round's replies (or take those a :meth:`receive_train` receiver took as
-        they arrived), aggregate the valid updates (:meth:`aggregate_updates`) and return the
-        round's train metrics and log; too few valid replies fail the round
-        (:class:`RoundFailedError`, naming who is missing and why)."""
-        if not isinstance(replies, TrainReplies):
-            receiver = self.receive_train(server_round)
-            for msg in replies:
-                receiver.take(msg)
-            replies = receiver
-        updates, round_log = replies.finish()
+    def aggregate_round(self, train: TrainRound) -> TrainResult:
+        """Aggregate the valid updates of ``train`` (its receiver took the replies as they
+        arrived; :meth:`aggregate_updates`) and return the round's train metrics and log; too
+        few valid replies fail the round (:class:`RoundFailedError`, naming who is missing and
+        why)."""
+        server_round = train.server_round
+        updates, round_log = train.replies.finish()
         self.directory.learn(round_log.nodes)
         log(INFO, "aggregate_train: %d replies, %d failed, %d rejected", len(updates),
             len(round_log.failed), len(round_log.rejected))
         if len(updates) < self.run.min_train_clients:
-            self.running = None
             problems = {**round_log.failed, **round_log.rejected}
             raise RoundFailedError(
                 f"round {server_round}: only {len(updates)} valid replies, min_train_clients="
@@ -301,10 +355,7 @@ class PersonalizedStrategy(Strategy):
         absent = set(round_log.failed) | set(round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
-        try:
-            self.aggregate_updates(server_round, updates)
-        finally:
-            self.running = None
+        self.aggregate_updates(train, updates)
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:
@@ -313,38 +364,56 @@ class PersonalizedStrategy(Strategy):
                     self.personal.pop(cid, None)
         return TrainResult(mean_train_metrics(updates), round_log)
 
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Flower's form of :meth:`begin_train` (the round is kept for :meth:`aggregate_train`)."""
+        self._flower_train = self.begin_train(server_round, dict(config.items()), grid)
+        return self._flower_train.messages
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's form of :meth:`aggregate_round`."""
-        result = self.aggregate_round(server_round, replies)
+        """Flower's form of :meth:`aggregate_round`, for the round :meth:`configure_train` began."""
+        train, self._flower_train = self._flower_train, None
+        if train is None or train.server_round != server_round:
+            raise RuntimeError(f"aggregate_train of round {server_round} without its configure_train")
+        train.take_all(replies)
+        result = self.aggregate_round(train)
         return to_record(self.global_arrays), MetricRecord(result.metrics)
 
     # ------------------------------------------------------------------ evaluate
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        """Evaluate every connected client (not only the sampled ones)."""
-        return self.evaluate_messages(server_round, config, self.directory.connected(grid))
-
-    def evaluate_messages(self, server_round: int, config: ConfigRecord, clients: list[str],
-                          already: Iterable[str] = ()) -> list[Message]:
-        """Evaluate messages to ``clients``; ``already`` = clients whose evaluation of this
-        round came with their training reply (they count as asked, see :meth:`evaluation_of`)."""
-        cfg = {**self.train_config, **dict(config.items()), "server-round": server_round}
-        self._asked_to_evaluate = [*already, *clients]
+    def begin_evaluate(self, server_round: int, config: Mapping[str, Any], grid: Grid,
+                       carried: Iterable[Message] = ()) -> EvaluateRound:
+        """Evaluate every connected client (not only the sampled ones): the evaluations that
+        came with train replies (``carried``, ``eval_in_train``) count as asked and answered,
+        and every other connected client is sent an evaluate message."""
+        carried = [m for m in carried if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
+        done = [self.directory.sender_of(m) for m in carried]
+        others = [c for c in self.directory.connected(grid) if c not in set(done)]
+        cfg = {**self.train_config, **dict(config), "server-round": server_round}
         self.directory.begin(MessageType.EVALUATE)
-        return [self.directory.message(c, self.payload_for(c), cfg, MessageType.EVALUATE) for c in clients]
+        messages = [self.directory.message(c, self.payload_for(c), cfg, MessageType.EVALUATE) for c in others]
+        return EvaluateRound(server_round, messages, [*done, *others], carried)
 
-    def evaluation_of(self, server_round: int, replies: Iterable[Message]) -> Evaluation:
-        """The round's evaluation from its replies (evaluate replies, or train replies that
-        carry the evaluation); every client asked that did not answer is in ``failed``."""
-        evaluation = parse_evaluation_replies(replies, self._asked_to_evaluate, self.directory.sender_of,
-                                              self.directory.no_reply_reason)
+    def evaluation_of(self, evaluate: EvaluateRound, replies: Iterable[Message]) -> Evaluation:
+        """The round's evaluation from the replies to ``evaluate``'s messages and the train
+        replies it carried; every client asked that did not answer is in ``failed``."""
+        evaluation = parse_evaluation_replies([*evaluate.carried, *replies], evaluate.asked,
+                                              self.directory.sender_of, self.directory.no_reply_reason)
         self.directory.learn(evaluation.nodes)
         return evaluation
 
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Flower's form of :meth:`begin_evaluate` (the round is kept for :meth:`aggregate_evaluate`)."""
+        self._flower_evaluate = self.begin_evaluate(server_round, dict(config.items()), grid)
+        return self._flower_evaluate.messages
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Flower's form of :meth:`evaluation_of`: the summary over clients."""
-        summary = self.evaluation_of(server_round, replies).summary()
+        evaluate, self._flower_evaluate = self._flower_evaluate, None
+        if evaluate is None or evaluate.server_round != server_round:
+            raise RuntimeError(f"aggregate_evaluate of round {server_round} without its configure_evaluate")
+        summary = self.evaluation_of(evaluate, replies).summary()
         return MetricRecord(summary) if summary is not None else None
 
     # ------------------------------------------------------------------ checkpoint

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from flwr.common.logger import log
 
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
 
 
 class FedAvg(PersonalizedStrategy):
@@ -61,5 +61,5 @@ class Local(PersonalizedStrategy):
     name: ClassVar[str] = "local"
     mean_rule: ClassVar[bool] = False   # nothing is uploaded or averaged
 
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
         log(INFO, "aggregate: local training, nothing to aggregate (%d clients)", len(updates))

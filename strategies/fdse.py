@@ -40,7 +40,7 @@ from flwr.common.logger import log
 
 from common.options import FDSEOptions
 from learning.params import NDArrays, is_float, weighted_mean
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
 from strategies.fdse_math import (
     attention_mix,
     attention_mix_many,
@@ -120,7 +120,8 @@ class FDSE(PersonalizedStrategy):
         self.last_clients: list[str] = []
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+        server_round = train.server_round
         uploaded = updates     # uploads breaking the roles were rejected (strategies/replies.py)
         if not uploaded:
             log(WARNING, "fdse: round %d had no valid uploads; nothing to aggregate", server_round)
@@ -128,7 +129,7 @@ class FDSE(PersonalizedStrategy):
         # --- shared parameters: consensus maximisation (Eq. 8), update vs what was sent
         deltas = []
         for u in uploaded:
-            sent = self.sent.get(u.client_id, self.global_arrays)
+            sent = train.sent.get(u.client_id, self.global_arrays)
             # in the tensors' own precision (float32 models: no float64 copies)
             deltas.append({k: np.subtract(u.arrays[k], sent[k]) for k in self.groups["consensus"]})
         step, weights = consensus_update_many(deltas, tol=self.tol, zero_policy=self.zero_policy,

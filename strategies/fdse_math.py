@@ -241,20 +241,22 @@ def min_norm_weights_batched(
 ) -> np.ndarray:
     """Solve T independent min-norm QPs ``min_{w in simplex} w^T G_t w`` at once.
 
-    Args:
-        grams: [T, K, K] symmetric positive semi-definite Gram matrices ``G_t = D_t D_t^T``.
-        tol: absolute tolerance on the duality gap ``2 (w^T G w - min_i (G w)_i)``.
-        max_iter: maximum number of accelerated projected-gradient iterations.
-        mask: optional [T, K] boolean array; ``False`` coordinates are fixed to weight 0
-            (used to exclude zero updates). Every row must have at least one ``True``.
-        check_every: how often (iterations) the gap is evaluated and the support polished.
-        exact_max_k: for 3 <= K <= ``exact_max_k`` every support is enumerated (exact, and
-            much faster than the iterative solver for the few clients of cross-silo FL);
-            problems whose enumerated solution does not meet ``tol`` (round-off on
-            ill-conditioned Grams) continue with the iterative solver from it.
+    Parameters
+    ----------
+    grams : [T, K, K] symmetric positive semi-definite Gram matrices ``G_t = D_t D_t^T``.
+    tol : absolute tolerance on the duality gap ``2 (w^T G w - min_i (G w)_i)``.
+    max_iter : maximum number of accelerated projected-gradient iterations.
+    mask : optional [T, K] boolean array; ``False`` coordinates are fixed to weight 0
+        (used to exclude zero updates). Every row must have at least one ``True``.
+    check_every : how often (iterations) the gap is evaluated and the support polished.
+    exact_max_k : for 3 <= K <= ``exact_max_k`` every support is enumerated (exact, and
+        much faster than the iterative solver for the few clients of cross-silo FL);
+        problems whose enumerated solution does not meet ``tol`` (round-off on
+        ill-conditioned Grams) continue with the iterative solver from it.
 
-    Returns:
-        [T, K] float64 weights, each row on the simplex (non-negative, sums to 1).
+    Returns
+    -------
+    [T, K] float64 weights, each row on the simplex (non-negative, sums to 1).
 
     See the module docstring for the method (closed form for K <= 2, FISTA + exact support
     polish otherwise) and the stopping rule.
@@ -359,15 +361,17 @@ def min_norm_weights(
 ) -> np.ndarray:
     """MGDA min-norm weights (FDSE Eq. 8; Desideri 2012, Sener & Koltun 2018).
 
-    Args:
-        directions: K x d array whose rows are the (normally unit-length) directions d_k.
-        tol: duality-gap tolerance (see module docstring).
-        max_iter: iteration cap of the iterative solver (K >= 3).
+    Parameters
+    ----------
+    directions : K x d array whose rows are the (normally unit-length) directions d_k.
+    tol : duality-gap tolerance (see module docstring).
+    max_iter : iteration cap of the iterative solver (K >= 3).
 
-    Returns:
-        K weights ``w`` on the simplex minimising ``|| w @ directions ||^2``.
-        Optimality: ``(G w)_i >= w^T G w`` for all i, with equality where ``w_i > 0``
-        (G = D D^T), up to ``tol``.
+    Returns
+    -------
+    K weights ``w`` on the simplex minimising ``|| w @ directions ||^2``.
+    Optimality: ``(G w)_i >= w^T G w`` for all i, with equality where ``w_i > 0``
+    (G = D D^T), up to ``tol``.
     """
     d = _to_numpy(directions, "directions")
     if d.ndim != 2:
@@ -505,11 +509,12 @@ def consensus_update_many(
 ) -> dict[str, np.ndarray] | tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Layer-wise (per tensor) :func:`consensus_update` over dicts of tensors.
 
-    Args:
-        updates_per_client: K dicts with identical keys and per-key identical shapes;
-            values are client updates (local minus received global), numpy or torch.
-        tol, max_iter, zero_policy: as in :func:`consensus_update`.
-        return_weights: also return ``{key: weights[K]}``.
+    Parameters
+    ----------
+    updates_per_client : K dicts with identical keys and per-key identical shapes;
+        values are client updates (local minus received global), numpy or torch.
+    tol, max_iter, zero_policy : as in :func:`consensus_update`.
+    return_weights : also return ``{key: weights[K]}``.
 
     Per tensor the K updates are stacked once and their K x K Gram matrix is one matrix
     product; all tensors' QPs are then solved in one batched call

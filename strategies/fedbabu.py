@@ -27,7 +27,14 @@ from common.options import FedBABUOptions, FedProxOptions
 from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, client_sort_key
 from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, num_bytes
-from strategies.base import ClientUpdate, Evaluation, PersonalizedStrategy, TrainResult
+from strategies.base import (
+    ClientUpdate,
+    EvaluateRound,
+    Evaluation,
+    PersonalizedStrategy,
+    TrainResult,
+    TrainRound,
+)
 from strategies.fedbabu_math import (
     average_body,
     head_digest,
@@ -72,7 +79,7 @@ class FedBABU(PersonalizedStrategy):
         return {**body, **self.head}
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
         uploaded = [u for u in updates if u.arrays]
         for u in updates:
             if u.metrics.get(HEAD_STORED_METRIC, 0.0) >= 1.0:
@@ -93,20 +100,20 @@ class FedBABU(PersonalizedStrategy):
                 self.head_acked.discard(label)
                 log(WARNING, "FedBABU: client %s failed; it will be sent the head again", label)
 
-    def aggregate_round(self, server_round: int, replies: Iterable[Message]) -> TrainResult:
+    def aggregate_round(self, train: TrainRound) -> TrainResult:
         body_bytes = self._body_bytes()
-        self.head_sent_to = sorted((c for c, p in self.sent.items() if num_bytes(p) > body_bytes),
+        self.head_sent_to = sorted((c for c, p in train.sent.items() if num_bytes(p) > body_bytes),
                                    key=client_sort_key)
-        failed = list(self.sent)    # if the round fails, every sampled client is sent the head again
+        failed = list(train.sent)    # if the round fails, every sampled client is sent the head again
         try:
-            result = super().aggregate_round(server_round, replies)
+            result = super().aggregate_round(train)
             failed = list(result.log.failed) + list(result.log.rejected)
             return result
         finally:
             self._forget_failed(failed)
 
-    def evaluation_of(self, server_round: int, replies: Iterable[Message]) -> Evaluation:
-        evaluation = super().evaluation_of(server_round, replies)
+    def evaluation_of(self, evaluate: EvaluateRound, replies: Iterable[Message]) -> Evaluation:
+        evaluation = super().evaluation_of(evaluate, replies)
         self._forget_failed(evaluation.failed)
         return evaluation
 

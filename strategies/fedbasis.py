@@ -33,7 +33,7 @@ from common.options import FedBasisOptions
 from common.protocol import COEFF_METRIC, client_sort_key
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy, client_labels
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
 from strategies.fedbasis_math import flatten, mean_entropy, mean_pairwise_cosine, seed_bases
 
 
@@ -66,11 +66,11 @@ class FedBasis(PersonalizedStrategy):
             return dict(self.global_arrays)
         return {k: v for k, v in self.global_arrays.items() if k.startswith(self.warm_prefix)}
 
-    def streams_round(self, server_round: int) -> bool:
+    def streams_round(self, server_round: int, sent: Mapping[str, NDArrays]) -> bool:
         """Per-basis FedAvg (and the warm-up's FedAvg) folds as replies arrive; the round that
         seeds the bases needs every client's model at once (K-means)."""
         seeding = not self.seeded and server_round >= self.warm_rounds
-        return not seeding and super().streams_round(server_round)
+        return not seeding and super().streams_round(server_round, sent)
 
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         if self.seeded:
@@ -81,8 +81,9 @@ class FedBasis(PersonalizedStrategy):
         return None
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        super().aggregate_updates(server_round, updates)          # FedAvg per basis
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+        super().aggregate_updates(train, updates)          # FedAvg per basis
+        server_round = train.server_round
         if not self.seeded:
             if server_round >= self.warm_rounds:
                 self.seed_from(server_round, updates)

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -45,7 +44,7 @@ from common.figures import inches, tick_step
 from common.options import FEDORAOptions
 from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
 from strategies.fedora_math import (
     data_subspace_basis,
     propagate,
@@ -110,12 +109,9 @@ class FEDORA(PersonalizedStrategy):
     def missing_bases(self) -> list[str]:
         return [c for c in self.client_ids if c not in self.bases]
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def begin_train(self, server_round: int, config: Mapping[str, Any], grid: Grid) -> TrainRound:
         """As the base class, plus ``fedora-need-basis``: the clients asked for their basis."""
-        cfg = dict(config.items())
-        cfg[NEED_BASIS_KEY] = ",".join(self.missing_bases())
-        return super().configure_train(server_round, arrays, ConfigRecord(cfg), grid)
+        return super().begin_train(server_round, {**config, NEED_BASIS_KEY: ",".join(self.missing_bases())}, grid)
 
     def check_basis(self, u: np.ndarray) -> str | None:
         """Why an uploaded basis is unusable, or None."""
@@ -193,7 +189,7 @@ class FEDORA(PersonalizedStrategy):
         }
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
         """Store uploads and bases; build W once all bases are known; propagate."""
         self._round_notes = {}
         for u in updates:

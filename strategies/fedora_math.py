@@ -79,21 +79,25 @@ def data_subspace_basis(
     feature space. The sign of each column is fixed (largest-magnitude entry positive)
     so that the result is deterministic; the subspace does not depend on it.
 
-    Args:
-        x: array of shape (n, ...) with n >= 1 samples; finite real values.
-        rank: p, the number of basis vectors, 1 <= p <= min(n, f'). Paper: small p;
-            authors' code: 1.
-        labels: optional integer class labels of shape (n,), values in [0, num_classes).
-        num_classes: number of classes C; required when ``labels`` is given (every client
-            must use the same C so that all bases live in the same space).
+    Parameters
+    ----------
+    x : array of shape (n, ...) with n >= 1 samples; finite real values.
+    rank : p, the number of basis vectors, 1 <= p <= min(n, f'). Paper: small p;
+        authors' code: 1.
+    labels : optional integer class labels of shape (n,), values in [0, num_classes).
+    num_classes : number of classes C; required when ``labels`` is given (every client
+        must use the same C so that all bases live in the same space).
 
-    Returns:
-        float64 array of shape (f', rank), f' = f (+ C with labels), with orthonormal
-        columns.
+    Returns
+    -------
+    float64 array of shape (f', rank), f' = f (+ C with labels), with orthonormal
+    columns.
 
-    Raises:
-        ValueError: on bad shapes, non-finite values, bad labels, a rank outside
-            [1, min(n, f')], or data whose numerical rank is below ``rank``.
+    Raises
+    ------
+    ValueError
+        on bad shapes, non-finite values, bad labels, a rank outside
+        [1, min(n, f')], or data whose numerical rank is below ``rank``.
     """
     x = np.asarray(x)
     if x.ndim < 2:
@@ -195,19 +199,23 @@ def subspace_similarity(
     neighbours for "paper", and the authors' value ``CODE_TOP_K = 2`` for "code". A
     ``top_k >= K - 1`` keeps every neighbour.
 
-    Args:
-        bases: K >= 1 arrays of shape (d, p_k), each with orthonormal columns (same d).
-        form: "paper" (default) or "code".
-        top_k: neighbours kept per row (>= 1), or None (see above).
-        temperature: the code form's temperature (> 0); ignored by "paper".
-        self_loops: put the i = i value on the diagonal (default False, see above).
+    Parameters
+    ----------
+    bases : K >= 1 arrays of shape (d, p_k), each with orthonormal columns (same d).
+    form : "paper" (default) or "code".
+    top_k : neighbours kept per row (>= 1), or None (see above).
+    temperature : the code form's temperature (> 0); ignored by "paper".
+    self_loops : put the i = i value on the diagonal (default False, see above).
 
-    Returns:
-        float64 array of shape (K, K) with non-negative entries.
+    Returns
+    -------
+    float64 array of shape (K, K) with non-negative entries.
 
-    Raises:
-        ValueError: on an unknown form, mismatched or non-orthonormal bases, or bad
-            top_k / temperature.
+    Raises
+    ------
+    ValueError
+        on an unknown form, mismatched or non-orthonormal bases, or bad
+        top_k / temperature.
     """
     if form not in SIMILARITY_FORMS:
         raise ValueError(f"form must be one of {SIMILARITY_FORMS}, got {form!r}")
@@ -331,14 +339,16 @@ def propagate(
     solved for once in float64 and applied to all columns as one matrix product.
     Note: the authors' code hard-codes ``a = 0.8`` (``pa = 0.8``), i.e. ``alpha = 4``.
 
-    Args:
-        theta: (K, d) array, row k = client k's uploaded personalised parameters.
-        w: (K, K) non-negative similarity matrix (need not be symmetric).
-        alpha: propagation strength, a finite number > 0.
-        isolated: handling of zero-sum rows of ``w``, see :func:`row_normalize`.
+    Parameters
+    ----------
+    theta : (K, d) array, row k = client k's uploaded personalised parameters.
+    w : (K, K) non-negative similarity matrix (need not be symmetric).
+    alpha : propagation strength, a finite number > 0.
+    isolated : handling of zero-sum rows of ``w``, see :func:`row_normalize`.
 
-    Returns:
-        (K, d) array ``Theta_hat``, in theta's floating dtype (float64 for integer input).
+    Returns
+    -------
+    (K, d) array ``Theta_hat``, in theta's floating dtype (float64 for integer input).
     """
     theta = np.asarray(theta)
     if theta.ndim != 2:
@@ -368,14 +378,16 @@ def propagate_many(
     the model), on the aggregation device (the GPU when there is one). Only floating
     tensors are accepted: leave integer buffers (e.g. BatchNorm ``num_batches_tracked``) out.
 
-    Args:
-        thetas: name -> (K, ...) floating array; all with the same K.
-        w: (K, K) non-negative similarity matrix.
-        alpha: propagation strength (> 0).
-        isolated: handling of zero-sum rows of ``w``, see :func:`row_normalize`.
+    Parameters
+    ----------
+    thetas : name -> (K, ...) floating array; all with the same K.
+    w : (K, K) non-negative similarity matrix.
+    alpha : propagation strength (> 0).
+    isolated : handling of zero-sum rows of ``w``, see :func:`row_normalize`.
 
-    Returns:
-        dict name -> propagated array with the input's shape and dtype (same key order).
+    Returns
+    -------
+    dict name -> propagated array with the input's shape and dtype (same key order).
     """
     if not isinstance(thetas, Mapping) or len(thetas) == 0:
         raise ValueError("thetas must be a non-empty mapping name -> (K, ...) array")
@@ -475,14 +487,16 @@ def selective_lambda(
         loader, so its diff scales with the number of validation batches; pass the
         losses in the scale you want to reproduce.
 
-    Args:
-        val_loss_own: validation loss of the client's own model theta_k (finite).
-        val_loss_propagated: validation loss of the propagated model theta_hat_k (finite).
-        eps: floor of the paper form (finite, >= 0).
-        form: "paper" (default) or "code".
+    Parameters
+    ----------
+    val_loss_own : validation loss of the client's own model theta_k (finite).
+    val_loss_propagated : validation loss of the propagated model theta_hat_k (finite).
+    eps : floor of the paper form (finite, >= 0).
+    form : "paper" (default) or "code".
 
-    Returns:
-        lambda_k as a Python float (>= eps for "paper", >= 0 for "code").
+    Returns
+    -------
+    lambda_k as a Python float (>= eps for "paper", >= 0 for "code").
     """
     if form not in LAMBDA_FORMS:
         raise ValueError(f"form must be one of {LAMBDA_FORMS}, got {form!r}")

@@ -21,7 +21,7 @@ from flwr.common.logger import log
 from common.protocol import P_GLOBAL_METRIC as P_GLOBAL
 from common.protocol import client_sort_key
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy, client_labels
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
 
 
 class PartialFedFix(PersonalizedStrategy):
@@ -39,9 +39,9 @@ class PartialFedAdaptive(PersonalizedStrategy):
         super().__init__(*args, **kwargs)
         self.gate_history: dict[int, dict[str, dict[str, float]]] = {}   # round -> client -> unit -> p
 
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        super().aggregate_updates(server_round, updates)
-        self.gate_history[server_round] = {
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+        super().aggregate_updates(train, updates)
+        self.gate_history[train.server_round] = {
             u.client_id: {k[len(P_GLOBAL):]: v for k, v in u.metrics.items() if k.startswith(P_GLOBAL)}
             for u in updates}
         log(INFO, "partialfed: gates of %d clients recorded", len(updates))

@@ -16,7 +16,7 @@ from flwr.app import Error, Message, MessageType
 from client.identity import serves
 from common.protocol import CONFIG_KEY, NUM_PARTITIONS, TARGET_CLIENT, make_reply
 from learning.params import NDArrays
-from strategies.base import PersonalizedStrategy, RunSettings
+from strategies.base import PersonalizedStrategy, RunSettings, TrainRound
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,6 +90,12 @@ class FakeGrid:
             if reply is not None:
                 out.append(reply)
         return out
+
+
+def received(train: TrainRound, grid: FakeGrid, timeout: float = 5.0) -> TrainRound:
+    """``train`` once its messages went through ``grid`` and every reply was taken."""
+    train.take_all(grid.send_and_receive(train.messages, timeout=timeout))
+    return train
 
 
 def run_settings(**overrides: Any) -> RunSettings:

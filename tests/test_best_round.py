@@ -15,7 +15,7 @@ from test_method_contract import _federate, _run_config
 from common.config import ConfigError, compose_config
 from learning.data import load_federated_data
 from server.summary import build_summary
-from strategies.base import summarise_clients
+from strategies.replies import summarise_clients
 
 
 def _slow_weighted(clients: dict[str, dict[str, float]]) -> float:

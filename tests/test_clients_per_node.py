@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from helpers import FakeGrid, make_strategy
+from helpers import FakeGrid, make_strategy, received
 from test_method_contract import Clients, _records, _run_config
 
 from client import app as client_app
@@ -23,7 +23,8 @@ from learning.data import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation
 from server.results import RunRecorder
-from strategies.base import PersonalizedStrategy, place_clients
+from strategies.addressing import place_clients
+from strategies.base import PersonalizedStrategy
 
 REF = {"w": np.zeros((3, 2), np.float32)}
 
@@ -125,10 +126,11 @@ def test_a_reply_for_another_client_than_its_message_named_is_rejected() -> None
 
     st = make_strategy(PersonalizedStrategy, dict(REF), ["0", "1", "2", "3"])
     grid = FakeGrid(["0", "1"], wrong, num_partitions=2)
-    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    train = st.begin_train(1, {}, grid)
+    msgs = train.messages
     assert {str(m.content.config_records[CONFIG_KEY][TARGET_CLIENT]): m.metadata.dst_node_id for m in msgs} == {
         "0": grid.node_of["0"], "1": grid.node_of["1"], "2": grid.node_of["0"], "3": grid.node_of["1"]}
-    result = st.aggregate_round(1, grid.send_and_receive(msgs, timeout=5))
+    result = st.aggregate_round(received(train, grid, 5))
     assert result.log.rejected == {"0": "the reply to client 0's message is for client 2"}
     assert sorted(result.log.replied) == ["1", "2", "3"]
 
@@ -143,11 +145,13 @@ def test_a_shared_model_is_packed_once_per_exchange_and_personal_payloads_apart(
     st = make_strategy(PersonalizedStrategy, {"w": np.zeros((3, 2), np.float32), "b": np.ones(2, np.float32)},
                        [str(i) for i in range(6)])
     grid = FakeGrid([str(i) for i in range(6)], num_partitions=6)
-    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    train = st.begin_train(1, {}, grid)
+    msgs = train.messages
     records = [m.content.array_records[ARRAYS_KEY] for m in msgs]
     assert len(msgs) == 6 and all(r is records[0] for r in records)
     st.personal["3"] = {"w": np.full((3, 2), 7.0, np.float32)}
-    msgs = list(st.configure_train(2, to_record(st.global_arrays), ConfigRecord({}), grid))
+    train = st.begin_train(2, {}, grid)
+    msgs = train.messages
     by_client = {str(m.content.config_records[CONFIG_KEY][TARGET_CLIENT]): m.content.array_records[ARRAYS_KEY]
                  for m in msgs}
     assert by_client["3"] is not by_client["0"] and by_client["0"] is by_client["5"]
@@ -162,7 +166,7 @@ def _plain_strategy(n: int, **kw: object) -> PersonalizedStrategy:
 
 
 def _train(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> list:
-    return list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
+    return st.begin_train(rnd, {}, grid).messages
 
 
 def test_two_supernodes_serve_eight_clients_at_once() -> None:
@@ -187,10 +191,10 @@ def test_a_client_that_disappears_is_waited_for_once_not_every_round() -> None:
     st = _plain_strategy(4, wait_for_clients=1.0)
     grid = FakeGrid([str(i) for i in range(4)],
                     lambda cid, msg: make_reply(msg, {"w": np.ones((3, 2), np.float32)}, {}, cid, 1))
-    st.aggregate_round(1, grid.send_and_receive(_train(st, grid), timeout=5))
+    st.aggregate_round(received(st.begin_train(1, {}, grid), grid, 5))
     del grid.client_of[grid.node_of.pop("3")]            # its SuperNode dies
     t0 = time.monotonic()
-    st.aggregate_round(2, grid.send_and_receive(_train(st, grid, 2), timeout=5))
+    st.aggregate_round(received(st.begin_train(2, {}, grid), grid, 5))
     waited = time.monotonic() - t0
     t1 = time.monotonic()
     msgs = _train(st, grid, 3)

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
-from helpers import FakeGrid, make_strategy, pflower_popen
+from helpers import FakeGrid, make_strategy, pflower_popen, received
 
 from client.state import ClientStateStore
 from common.flower_compat import HttpGrid, send_and_receive
-from common.protocol import from_record, make_reply, to_record
+from common.protocol import from_record, make_reply
 from learning.storage import StateCorruptError, load_arrays_file, read_meta, save_arrays_file
 from server.checkpoint import (
     CheckpointError,
@@ -36,13 +36,8 @@ from server.checkpoint import (
     rng_state_groups,
     save_checkpoint,
 )
-from strategies.base import (
-    ClientUpdate,
-    PersonalizedStrategy,
-    RoundFailedError,
-    RoundLog,
-    validate_arrays,
-)
+from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
+from strategies.replies import RoundFailedError, RoundLog, validate_arrays
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,8 +72,8 @@ class PersonalMean(PersonalizedStrategy):
 
     name = "toy"
 
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        super().aggregate_updates(server_round, updates)
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+        super().aggregate_updates(train, updates)
         mean_b = np.mean([u.arrays["b"] for u in updates], axis=0)
         for cid in self.client_ids:
             self.personal[cid] = {"b": mean_b.copy()}
@@ -89,8 +84,8 @@ def strategy(cls: type[PersonalizedStrategy] = PersonalizedStrategy, n: int = 4,
 
 
 def run_round(st: PersonalizedStrategy, grid: FakeGrid, rnd: int = 1) -> RoundLog:
-    msgs = list(st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid))
-    return st.aggregate_round(rnd, grid.send_and_receive(msgs, timeout=5.0)).log
+    train = st.begin_train(rnd, {}, grid)
+    return st.aggregate_round(received(train, grid, 5.0)).log
 
 
 # ---------------------------------------------------------------- misbehaving updates
@@ -153,9 +148,9 @@ def test_failed_client_round_completes_and_its_personal_state_is_unchanged() -> 
 def test_too_few_replies_fail_the_round_naming_the_missing_clients() -> None:
     st = strategy(n=3, min_train_clients=3, round_timeout=7.0)
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": error, "2": lambda c, m: None}))
-    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    train = st.begin_train(1, {}, grid)
     with pytest.raises(RoundFailedError) as err:
-        st.aggregate_round(1, grid.send_and_receive(msgs, timeout=7.0))
+        st.aggregate_round(received(train, grid, 7.0))
     text = str(err.value)
     assert "only 1 valid replies" in text and "min_train_clients=3" in text
     assert "1 (client error: RuntimeError: injected fault)" in text
@@ -172,9 +167,9 @@ def test_a_real_timeout_is_reported_as_one() -> None:
         return None
 
     grid = FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": slow_silence}))
-    msgs = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+    train = st.begin_train(1, {}, grid)
     with pytest.raises(RoundFailedError, match=r"2 \(no reply within the round timeout \(0s\)\)"):
-        st.aggregate_round(1, grid.send_and_receive(msgs, timeout=0.3))
+        st.aggregate_round(received(train, grid, 0.3))
 
 
 def test_waiting_for_clients_is_bounded() -> None:
@@ -182,7 +177,7 @@ def test_waiting_for_clients_is_bounded() -> None:
     grid = FakeGrid(["0", "1"], upload(1.0))
     t0 = time.monotonic()
     with pytest.raises(RoundFailedError, match=r"only 2 of 4 clients connected within 1s"):
-        list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
+        st.begin_train(1, {}, grid)
     assert time.monotonic() - t0 < 3.0
 
 
@@ -190,7 +185,7 @@ def test_sampling_is_by_client_id_and_survives_a_checkpoint() -> None:
     """Same seed -> same clients sampled although node ids differ between runs; after a
     checkpoint round trip the next round samples what an uninterrupted run samples."""
     def sampled(st: PersonalizedStrategy, grid: FakeGrid, rnd: int) -> list[str]:
-        msgs = st.configure_train(rnd, to_record(st.global_arrays), ConfigRecord({}), grid)
+        msgs = st.begin_train(rnd, {}, grid).messages
         return [grid.client_of[m.metadata.dst_node_id] for m in msgs]
 
     a, b = strategy(n=8, fraction_train=0.5, seed=3), strategy(n=8, fraction_train=0.5, seed=3)
@@ -213,7 +208,8 @@ def test_personal_arrays_reach_their_client_after_a_resume() -> None:
     resumed = strategy(PersonalMean, n=3)
     resumed.load_state(*st.state())
     new_grid = FakeGrid(st.client_ids, upload(1.0), node_base=98765)
-    msgs = list(resumed.configure_train(2, to_record(resumed.global_arrays), ConfigRecord({}), new_grid))
+    train = resumed.begin_train(2, {}, new_grid)
+    msgs = train.messages
     by_client = {new_grid.client_of[m.metadata.dst_node_id]: m for m in msgs}
     got = from_record(by_client["2"].content.array_records["arrays"])["b"]
     np.testing.assert_array_equal(got, [42.0, 43.0])

@@ -26,7 +26,7 @@ from learning.models import build_model
 from learning.params import get_arrays, num_bytes
 from strategies import fdse as fdse_strategy
 from strategies import fdse_math
-from strategies.base import ClientUpdate
+from strategies.base import ClientUpdate, TrainRound
 from strategies.fdse import FDSE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,19 +61,18 @@ def two_rounds(setup):
     states: dict[str, dict] = {c: {} for c in ("0", "1", "2")}
     log: dict = {"payloads": {}, "results": {}, "personal_after": {}}
     for rnd, clients in ((1, ["0", "1", "2"]), (2, ["0", "1"])):
-        updates = []
+        updates, sent = [], {}
         for node, cid in enumerate(clients):
             payload = strat.payload_for(cid)
-            strat.sent[cid] = payload
+            sent[cid] = payload
             res = trainer.fit(client_round(cfg, data, cid, rnd), payload, states[cid])
             states[cid] = res.state
             log["payloads"][(rnd, cid)] = payload
             log["results"][(rnd, cid)] = res
             updates.append(ClientUpdate(cid, node, res.upload, res.num_examples, res.metrics))
-        strat.aggregate_updates(rnd, updates)
+        strat.aggregate_updates(TrainRound.handed(rnd, sent), updates)
         log["personal_after"][rnd] = {c: {k: v.copy() for k, v in p.items()}
                                       for c, p in strat.personal.items()}
-        strat.sent = {}
     return strat, trainer, states, log
 
 
@@ -126,7 +125,7 @@ def test_aggregate_matches_slow_computation(setup):
             up[k] = np.asarray(rng.integers(0, 10), dtype=old[k].dtype)
         uploads.append(up)
     updates = [ClientUpdate(str(i), i, up, 10 * (i + 1), {}) for i, up in enumerate(uploads)]
-    strat.aggregate_updates(1, updates)
+    strat.aggregate_updates(TrainRound.handed(1), updates)
     for k in groups["consensus"]:
         deltas = [up[k].astype(np.float64) - old[k].astype(np.float64) for up in uploads]
         np.testing.assert_allclose(strat.global_arrays[k], old[k] + _slow_consensus(deltas),
@@ -151,7 +150,7 @@ def test_consensus_update_never_conflicts_with_a_client(setup):
     rng = np.random.default_rng(2)
     uploads = [{k: (old[k] + rng.normal(scale=0.1, size=old[k].shape)).astype(old[k].dtype)
                 if np.issubdtype(old[k].dtype, np.floating) else old[k] for k in old} for _ in range(3)]
-    strat.aggregate_updates(1, [ClientUpdate(str(i), i, u, 1, {}) for i, u in enumerate(uploads)])
+    strat.aggregate_updates(TrainRound.handed(1), [ClientUpdate(str(i), i, u, 1, {}) for i, u in enumerate(uploads)])
     for k in strat.groups["consensus"]:
         step = strat.global_arrays[k].astype(np.float64) - old[k]
         for u in uploads:

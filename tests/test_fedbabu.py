@@ -24,7 +24,7 @@ from learning.data import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
 from server.summary import build_summary
-from strategies.base import ClientUpdate
+from strategies.base import ClientUpdate, TrainRound
 from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
 from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
 
@@ -160,7 +160,7 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
             assert num_bytes(res.upload) == full_bytes - num_bytes(head0)  # FedAvg uploads full_bytes
             updates.append(ClientUpdate(cid, i, res.upload, res.num_examples, dict(res.metrics)))
         before, _ = split_head(strategy.global_arrays, strategy.head_keys)
-        strategy.aggregate_updates(r, updates)
+        strategy.aggregate_updates(TrainRound.handed(r), updates)
         # server: head bitwise unchanged; body = sample-weighted mean computed independently
         for k in HEAD_KEYS:
             assert np.array_equal(strategy.global_arrays[k], head0[k])
@@ -217,7 +217,7 @@ def test_defaults_are_the_authors_code_plain_mean_and_default_head_init(setup):
                                     if np.issubdtype(v.dtype, np.floating) else v
                                     for k, v in body.items()}, n, {})
            for i, n in enumerate([1, 100, 1000])]
-    strategy.aggregate_updates(1, ups)
+    strategy.aggregate_updates(TrainRound.handed(1), ups)
     k = "features.0.weight"
     np.testing.assert_allclose(strategy.global_arrays[k],
                                sum(u.arrays[k].astype(np.float64) for u in ups) / 3, rtol=1e-5)

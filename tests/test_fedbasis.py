@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord
 from helpers import FakeGrid, model_config, pflower
 from torch import nn
 from torch.func import functional_call
@@ -20,14 +19,14 @@ from client.fedbasis import COEFF_METRIC, FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
 from common.config import ConfigError, compose_config
 from common.flower_compat import send_and_receive
-from common.protocol import make_reply, to_record
+from common.protocol import make_reply
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
 from learning.training import OptimConfig
 from server.app import build_strategy
-from strategies.base import ClientUpdate
+from strategies.base import ClientUpdate, TrainRound
 from strategies.fedbasis_math import kmeans, mean_entropy, mean_pairwise_cosine, seed_bases
 
 
@@ -272,9 +271,9 @@ def test_warm_up_sends_one_model_then_seeds_the_bases_from_the_clients(data) -> 
         models.append({k: (v + shift + rng.normal(0, 0.01, v.shape)).astype(v.dtype)
                        if np.issubdtype(v.dtype, np.floating) else v for k, v in sent.items()})
     updates = [_update(str(i), m, n) for i, (m, n) in enumerate(zip(models, [10, 30, 20, 40], strict=True))]
-    strategy.aggregate_updates(1, updates)
+    strategy.aggregate_updates(TrainRound.handed(1), updates)
     assert not strategy.seeded                                   # still warm after round 1
-    strategy.aggregate_updates(2, updates)
+    strategy.aggregate_updates(TrainRound.handed(2), updates)
     assert strategy.seeded and strategy.switch["round"] == 2
     key = "features.0.weight"
     # the warm-up average follows strategy.weighted too: uniform by default
@@ -303,7 +302,7 @@ def test_each_basis_is_averaged_over_the_clients(data, weighted: bool | None) ->
                 for k, v in sent.items()} for _ in range(3)]
     sizes = [5, 10, 25]
     coeff = {f"{COEFF_METRIC}{u}/{k}": 0.5 for u in ("s1", "s2", "s3", "fc") for k in range(2)}
-    strategy.aggregate_updates(1, [_update(str(i), u, n, coeff) for i, (u, n) in enumerate(zip(uploads, sizes, strict=True))])
+    strategy.aggregate_updates(TrainRound.handed(1), [_update(str(i), u, n, coeff) for i, (u, n) in enumerate(zip(uploads, sizes, strict=True))])
     for key in sent:
         if not np.issubdtype(sent[key].dtype, np.floating):
             continue
@@ -322,9 +321,9 @@ def test_a_streamed_basis_round_averages_each_basis_and_records_the_coefficients
     arrives (no client's bases kept), and so does a warm-up round; the round that seeds the
     bases never streams (K-means needs every model)."""
     warm = _strategy(data, "rounds=4", "strategy.warm_fraction=0.5", "stream_replies_mb=0")
-    assert not warm.seeded and warm.streams_round(1) and not warm.streams_round(2)   # round 2 seeds
+    assert not warm.seeded and warm.streams_round(1, {}) and not warm.streams_round(2, {})   # round 2 seeds
     strategy = _strategy(data, "strategy.num_bases=2", "strategy.warm_fraction=0", "stream_replies_mb=0")
-    assert strategy.seeded and strategy.streams_round(1)
+    assert strategy.seeded and strategy.streams_round(1, {})
     sent = strategy.payload_for("0")
     rng = np.random.default_rng(2)
     ids = strategy.client_ids
@@ -333,11 +332,11 @@ def test_a_streamed_basis_round_averages_each_basis_and_records_the_coefficients
     coeff = {c: {f"{COEFF_METRIC}{u}/{k}": (0.25 if k == 0 else 0.75) if c == ids[0] else 0.5
                  for u in ("s1", "s2", "s3", "fc") for k in range(2)} for c in ids}
     grid = FakeGrid(ids, lambda cid, msg: make_reply(msg, uploads[cid], coeff[cid], cid, 7 + int(cid)))
-    messages = list(strategy.configure_train(1, to_record(strategy.global_arrays), ConfigRecord({}), grid))
-    receiver = strategy.receive_train(1)
-    replies = send_and_receive(grid, messages, timeout=30.0, on_reply=receiver.take)
-    assert receiver.folded == len(ids) and not any(m.content.array_records for m in replies)
-    strategy.aggregate_round(1, receiver)
+    train = strategy.begin_train(1, {}, grid)
+    messages = train.messages
+    replies = send_and_receive(grid, messages, timeout=30.0, on_reply=train.replies.take)
+    assert train.replies.folded == len(ids) and not any(m.content.array_records for m in replies)
+    strategy.aggregate_round(train)
     for key in sent:
         if np.issubdtype(sent[key].dtype, np.floating):
             expected = sum(uploads[c][key].astype(np.float64) for c in ids) / len(ids)   # uniform (Eq. 7, 9)

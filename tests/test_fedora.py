@@ -27,7 +27,7 @@ from learning.models import build_model
 from learning.params import get_arrays
 from learning.sources import DatasetError
 from learning.training import OptimConfig, train_epochs
-from strategies.base import ClientUpdate, RunSettings
+from strategies.base import ClientUpdate, RunSettings, TrainRound
 from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,7 +266,7 @@ def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
     s = _strategy(num, tmp_path)
     assert s.missing_bases() == [str(i) for i in range(num)]
     first = [_update(str(i), rng, bases[i]) for i in range(3)]
-    s.aggregate_updates(1, first)
+    s.aggregate_updates(TrainRound.handed(1), first)
     # clients 3, 4 not seen yet: no graph, every replier gets its own parameters back
     assert s.w is None and s.missing_bases() == ["3", "4"]
     notes = s.round_extras(1)["fedora"]
@@ -277,7 +277,7 @@ def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
     assert not (tmp_path / "run" / "similarity.npy").exists()
 
     second = [_update(str(i), rng, bases[i]) for i in (3, 4)] + [_update("0", rng, None)]
-    s.aggregate_updates(2, second)
+    s.aggregate_updates(TrainRound.handed(2), second)
     np.testing.assert_allclose(s.w, fm.subspace_similarity(bases))
     latest = {u.client_id: u.arrays for u in first}
     latest.update({u.client_id: u.arrays for u in second})
@@ -306,27 +306,25 @@ def test_strategy_code_form_and_bad_basis():
     bases = [np.linalg.qr(rng.standard_normal((6, 1)))[0] for _ in range(num)]
     s = _strategy(num, similarity="code")
     bad = _update("3", rng, np.ones((6, 1)))  # not orthonormal
-    s.aggregate_updates(1, [_update(str(i), rng, bases[i]) for i in range(3)] + [bad])
+    s.aggregate_updates(TrainRound.handed(1), [_update(str(i), rng, bases[i]) for i in range(3)] + [bad])
     assert s.w is None and s.missing_bases() == ["3"]
     assert "3" in s.round_extras(1)["fedora"]["basis_rejected"]
     wrong_dim = _update("3", rng, np.linalg.qr(rng.standard_normal((7, 1)))[0])
-    s.aggregate_updates(2, [wrong_dim])
+    s.aggregate_updates(TrainRound.handed(2), [wrong_dim])
     assert "rows" in s.round_extras(2)["fedora"]["basis_rejected"]["3"]
-    s.aggregate_updates(3, [_update("3", rng, bases[3])])
+    s.aggregate_updates(TrainRound.handed(3), [_update("3", rng, bases[3])])
     np.testing.assert_allclose(s.w, fm.subspace_similarity(bases, form="code"))
     assert np.all((s.w > 0).sum(axis=1) == 2)  # the code's top-2 graph
 
 
-def test_configure_train_asks_only_for_missing_bases(flower_task):
-    from flwr.app import ArrayRecord, ConfigRecord
-
+def test_begin_train_asks_only_for_missing_bases(flower_task):
     rng = np.random.default_rng(2)
     s = _strategy(3)
     grid = FakeGrid(["0", "1", "2"])
-    msgs = list(s.configure_train(1, ArrayRecord(), ConfigRecord({}), grid))
+    msgs = s.begin_train(1, {}, grid).messages
     assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,1,2"}
-    s.aggregate_updates(1, [_update("1", rng, np.eye(6)[:, :1])])
-    msgs = list(s.configure_train(2, ArrayRecord(), ConfigRecord({}), grid))
+    s.aggregate_updates(TrainRound.handed(1), [_update("1", rng, np.eye(6)[:, :1])])
+    msgs = s.begin_train(2, {}, grid).messages
     assert {m.content.config_records["config"][NEED_BASIS_KEY] for m in msgs} == {"0,2"}
 
 
@@ -336,7 +334,7 @@ def test_strategy_state_roundtrips_through_a_checkpoint(tmp_path):
     num = 4
     rng = np.random.default_rng(3)
     s = _strategy(num)
-    s.aggregate_updates(1, [_update(str(i), rng, np.linalg.qr(rng.standard_normal((6, 1)))[0])
+    s.aggregate_updates(TrainRound.handed(1), [_update(str(i), rng, np.linalg.qr(rng.standard_normal((6, 1)))[0])
                             for i in range(num)])
     groups, meta = s.state()
     save_checkpoint(tmp_path, 1, groups, {"x": 1})
@@ -352,8 +350,8 @@ def test_strategy_state_roundtrips_through_a_checkpoint(tmp_path):
             np.testing.assert_array_equal(r.personal[cid][k], s.personal[cid][k])
     # after resume, the next round propagates with the restored graph
     ups = [_update(str(i), rng, None) for i in range(num)]
-    r.aggregate_updates(2, ups)
-    s.aggregate_updates(2, ups)
+    r.aggregate_updates(TrainRound.handed(2), ups)
+    s.aggregate_updates(TrainRound.handed(2), ups)
     for cid in s.personal:
         np.testing.assert_allclose(r.personal[cid]["w"], s.personal[cid]["w"])
 
@@ -387,7 +385,7 @@ def test_in_process_federation_digits_rotated(tmp_path):
             states[cid] = res.state
             updates.append(ClientUpdate(cid, int(cid), res.upload, res.num_examples, res.metrics,
                                         res.extra))
-        s.aggregate_updates(rnd_no, updates)
+        s.aggregate_updates(TrainRound.handed(rnd_no), updates)
         assert s.w is not None
         accs.append(np.mean([trainer.evaluate(_round(cfg, c, rnd_no), s.payload_for(c),
                                               states[c])["accuracy"] for c in data.client_ids]))

@@ -11,19 +11,20 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Error, Message
+from flwr.app import Error, Message
 from helpers import FakeGrid, make_strategy
 
 from common.flower_compat import send_and_receive
-from common.protocol import make_reply, to_record
+from common.protocol import make_reply
 from learning.params import RunningMean, num_bytes, weighted_mean
-from strategies.base import PersonalizedStrategy
+from strategies.base import PersonalizedStrategy, TrainRound
 from strategies.baselines import Ditto, FedAvg, FedBN, FedProx, Local
 from strategies.fdse import FDSE
 from strategies.fedbabu import FedBABU
 from strategies.fedbasis import FedBasis
 from strategies.fedora import FEDORA
 from strategies.partialfed import PartialFedAdaptive, PartialFedFix
+from strategies.replies import TrainReplies
 
 CPU = torch.device("cpu")
 REF = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32), "n": np.array(0, np.int64)}
@@ -129,10 +130,10 @@ def _round(stream_replies_mb: float | None) -> tuple[PersonalizedStrategy, Trick
     ids = list(SIZES)
     grid = TrickleGrid(ids, _client)
     st = make_strategy(FedAvg, dict(REF), ids, stream_replies_mb=stream_replies_mb)
-    messages = list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), grid))
-    receiver = st.receive_train(1)
-    replies = send_and_receive(grid, messages, timeout=30.0, on_reply=receiver.take)
-    return st, grid, replies, st.aggregate_round(1, receiver)
+    train = st.begin_train(1, {}, grid)
+    messages = train.messages
+    replies = send_and_receive(grid, messages, timeout=30.0, on_reply=train.replies.take)
+    return st, grid, replies, st.aggregate_round(train)
 
 
 @pytest.mark.usefixtures("flower_task")
@@ -153,7 +154,8 @@ def test_a_streamed_round_folds_each_reply_as_it_arrives_and_holds_none() -> Non
     assert log.replied == valid and "NaN" in log.rejected["3"] and "injected fault" in log.failed["4"]
     assert log.bytes_up == {c: num_bytes({k: v for k, v in REF.items()}) for c in valid}
     assert result.metrics["clients"] == 3.0
-    assert st.running is None                      # nothing of the round is kept
+    # nothing of the round is kept on the strategy: the round lived in its TrainRound
+    assert not [k for k, v in vars(st).items() if isinstance(v, (RunningMean, TrainRound, TrainReplies))]
     # the same round held (never streamed): the replies keep their arrays, same mean
     held, _, held_replies, held_result = _round(stream_replies_mb=None)
     assert sum(1 for m in held_replies if m.has_content() and m.content.array_records) == 4   # 3 valid + the rejected NaN one
@@ -166,11 +168,11 @@ def test_a_streamed_round_folds_each_reply_as_it_arrives_and_holds_none() -> Non
 def test_a_round_streams_past_its_limit_and_only_where_the_rule_is_a_mean() -> None:
     ids = list(SIZES)
     st = make_strategy(FedAvg, dict(REF), ids, stream_replies_mb=None)
-    list(st.configure_train(1, to_record(st.global_arrays), ConfigRecord({}), FakeGrid(ids, _client)))
+    sent = st.begin_train(1, {}, FakeGrid(ids, _client)).sent
     expected_mb = len(ids) * num_bytes(REF) / 1e6
     for limit, streams in ((None, False), (0.0, True), (expected_mb / 2, True), (expected_mb * 2, False)):
         st.run = dataclasses.replace(st.run, stream_replies_mb=limit)
-        assert st.streams_round(1) is streams, limit
+        assert st.streams_round(1, sent) is streams, limit
     for cls in (FedAvg, FedProx, FedBN, Ditto, PartialFedFix, PartialFedAdaptive, FedBasis):
         assert cls.mean_rule, cls.name
     for cls in (FDSE, FEDORA, FedBABU, Local):      # their rules need every update at once (or none)
