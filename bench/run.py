@@ -90,11 +90,12 @@ def _per_round(walls: list[float]) -> float:
     return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
 
 
-def bench_loop(rounds: int, overrides: list[str]) -> tuple[str, MessageParts]:
-    """The plain loop and ``pflower run`` on the same work, one after the other; the run with
-    ``PFLOWER_TIMING`` so that its client messages' parts come back too."""
+def bench_loop(rounds: int, overrides: list[str], timeout: float = 900) -> tuple[str, MessageParts]:
+    """The plain loop and ``pflower run`` on the same work, one after the other (each given
+    ``timeout`` seconds, the run a third more); the run with ``PFLOWER_TIMING`` so that its
+    client messages' parts come back too."""
     t0, plain = _stream_rounds([sys.executable, "-m", "bench.plain_loop", f"rounds={rounds}", *overrides],
-                               None, rounds, 900)
+                               None, rounds, timeout)
     plain_round = _per_round(plain)
     plain_start = plain[0] - t0 - plain_round
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +103,7 @@ def bench_loop(rounds: int, overrides: list[str]) -> tuple[str, MessageParts]:
         metrics = Path(tmp) / run / "metrics.jsonl"
         timing = Path(tmp) / "timing"
         t1, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", f"rounds={rounds}", f"results_root={tmp}",
-                                  f"run_name={run}", *overrides], metrics, rounds, 1200,
+                                  f"run_name={run}", *overrides], metrics, rounds, timeout * 4 / 3,
                                  env={**ENV, "PFLOWER_TIMING": str(timing)})
         parts = read_summary(timing)
     sim_round = _per_round(sim)
@@ -131,7 +132,9 @@ LOOP_SETTINGS = {
 }
 # and, without --quick, FedBABU's 100 clients of its 4-layer CNN on CIFAR-100-shaped images
 # (generated: no CIFAR-100 here), shard split, 120 images a client where the paper has 600
-# (both sides generate each image on every read, the same work, which the ratio includes)
+# (both sides generate each image on every read, the same work, which the ratio includes);
+# 5 rounds: a plain-loop round of it takes minutes on a 2-core CPU (a GPU machine's column)
+PAPER_LOOP_ROUNDS = 5
 PAPER_LOOP_SETTINGS = {
     "100 clients, cnn4 (FedBABU's CIFAR-100 shape, synthetic)": [
         "dataset=cifar100", "model=cnn4", "dataset.synthetic=true", "dataset.synthetic_samples=[12000]"],
@@ -386,7 +389,9 @@ def main() -> None:
         parts: dict[str, MessageParts] = {}
         settings = LOOP_SETTINGS if args.quick else {**LOOP_SETTINGS, **PAPER_LOOP_SETTINGS}
         for label, overrides in settings.items():
-            table, parts[label] = bench_loop(5 if args.quick else 20, [*overrides, *args.set])
+            paper = label in PAPER_LOOP_SETTINGS
+            rounds = 5 if args.quick else PAPER_LOOP_ROUNDS if paper else 20
+            table, parts[label] = bench_loop(rounds, [*overrides, *args.set], timeout=3600 if paper else 900)
             print(f"### {label}\n\n{table}\n", flush=True)
         print("### Where a client message's time goes (rounds 2 on; bench/message_parts.py)\n\n"
               + markdown(parts) + "\n", flush=True)
