@@ -388,7 +388,8 @@ class PersonalizedStrategy(Strategy):
         and every other connected client is sent an evaluate message."""
         carried = [m for m in carried if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
         done = [self.directory.sender_of(m) for m in carried]
-        others = [c for c in self.directory.connected(grid) if c not in set(done)]
+        answered = set(done)
+        others = [c for c in self.directory.connected(grid) if c not in answered]
         cfg = {**self.train_config, **dict(config), "server-round": server_round}
         self.directory.begin(MessageType.EVALUATE)
         messages = [self.directory.message(c, self.payload_for(c), cfg, MessageType.EVALUATE) for c in others]

@@ -89,7 +89,7 @@ class FedBABU(PersonalizedStrategy):
         sent_head = [u.client_id for u in uploaded if set(u.arrays) & set(self.head_keys)]
         if sent_head:
             log(WARNING, "FedBABU: clients %s uploaded head tensors; they are ignored", sent_head)
-        weights = [float(u.num_examples) if self.weighted else 1.0 for u in uploaded]
+        weights = self.weights_of(uploaded)
         self.global_arrays.update(average_body([u.arrays for u in uploaded], weights, self.head_keys))
         log(INFO, "aggregate: FedBABU body average over %d clients (weighted=%s)", len(uploaded),
             self.weighted)
