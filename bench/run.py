@@ -400,9 +400,9 @@ def main() -> None:
             [(10, 1_000_000), (100, 1_000_000), (500, 1_000_000), (10, 11_200_000), (100, 11_200_000)]
         print("## (b) aggregation\n\n" + bench_aggregation(sizes) + "\n", flush=True)
     if "c" in only:
-        from common.methods import METHODS
+        from common.methods import method_names
 
-        print("## (c) bytes per client per round\n\n" + bench_bytes(list(METHODS)) + "\n", flush=True)
+        print("## (c) bytes per client per round\n\n" + bench_bytes(method_names()) + "\n", flush=True)
     if "d" in only:
         print("## (d) deployment round\n\n" + bench_deploy(3 if args.quick else 5, args.pin_superlink) + "\n", flush=True)
 

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
-from common.options import FDSEOptions
 from common.roles import LOCAL, PERSONAL, keys_with
 from learning.data import ClientSplit
 from learning.fdse_model import (
@@ -51,6 +50,7 @@ from learning.training import (
     make_optimizer,
     seed_everything,
 )
+from strategies.fdse_math import FDSEOptions
 
 
 class FDSETrainer(ClientTrainer):

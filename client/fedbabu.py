@@ -26,11 +26,10 @@ from torch import nn
 from client.baselines import proximal_to
 from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
 from common.options import FedProxOptions
-from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC
 from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, get_arrays
 from learning.training import LossTerm
-from strategies.fedbabu_math import head_digest, split_head
+from strategies.fedbabu_math import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, head_digest, split_head
 
 HEAD_PREFIX = "head/"
 

@@ -28,12 +28,11 @@ from typing import ClassVar
 from torch import nn
 
 from client.trainer import ClientRound, ClientTrainer, LocalRound
-from common.options import FedBasisOptions
-from common.protocol import COEFF_METRIC
 from common.roles import SHARED
 from learning.basis import COEFF_KEY, HEAD_OVERRIDE, MAJOR_PREFIX, BasisModel, basis_prefix
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import train_epochs
+from strategies.fedbasis_math import COEFF_METRIC, FedBasisOptions
 
 
 class FedBasisTrainer(ClientTrainer):
@@ -150,4 +149,4 @@ class FedBasisTrainer(ClientTrainer):
         return model, lambda n: n == COEFF_KEY or n.startswith(HEAD_OVERRIDE + ".")
 
 
-__all__ = ["FedBasisTrainer", "COEFF_METRIC"]
+__all__ = ["FedBasisTrainer"]

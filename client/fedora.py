@@ -46,11 +46,16 @@ from torch.utils.data import DataLoader
 
 from client.baselines import proximal_to
 from client.trainer import ClientRound, ClientTrainer, LocalRound
-from common.options import FEDORAOptions
-from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays, set_arrays
 from learning.training import DecoupledProximal, LossTerm, evaluate, make_loader
-from strategies.fedora_math import data_subspace_basis, selective_lambda
+from strategies.fedora_math import (
+    BASIS_ARRAY,
+    BASIS_RECORD,
+    NEED_BASIS_KEY,
+    FEDORAOptions,
+    data_subspace_basis,
+    selective_lambda,
+)
 
 BASIS_STATE = "fedora/basis"
 

@@ -41,14 +41,15 @@ from client.trainer import (
     prefixed,
     unprefixed,
 )
-from common.options import PartialFedAdaptiveOptions, PartialFedFixOptions
-from common.protocol import P_GLOBAL_METRIC
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import OptimConfig, make_loader, make_optimizer, train_epochs
 from learning.units import model_units, unit_of
 from strategies.partialfed_math import (
     GLOBAL,
+    P_GLOBAL_METRIC,
+    PartialFedAdaptiveOptions,
+    PartialFedFixOptions,
     anneal_tau,
     compose_weights,
     fix_global_keys,
@@ -57,7 +58,6 @@ from strategies.partialfed_math import (
 )
 
 LOGITS_STATE = "partialfed/logits"
-P_GLOBAL = P_GLOBAL_METRIC       # metric prefix: probability of loading global, per unit
 
 
 class PartialFedFixTrainer(ClientTrainer):
@@ -132,7 +132,7 @@ class PartialFedAdaptiveTrainer(PartialFedFixTrainer):
                               rnd.device, seed=rnd.seed + 1)
             metrics.update({f"finetune_{k}": v for k, v in ft.items()})
         work.scratch["logits"] = logits.detach().cpu().numpy()
-        metrics.update({P_GLOBAL + u: float(p_global[i]) for i, u in enumerate(names)})
+        metrics.update({P_GLOBAL_METRIC + u: float(p_global[i]) for i, u in enumerate(names)})
         metrics["tau"] = tau
         return metrics
 
@@ -199,4 +199,4 @@ def train_gated(local: nn.Module, glob: nn.Module, logits: torch.Tensor, unit_in
     return {"train_loss": loss_value, "train_accuracy": correct / max(total, 1), "steps": float(step)}
 
 
-__all__ = ["PartialFedFixTrainer", "PartialFedAdaptiveTrainer", "train_gated", "LOGITS_STATE", "P_GLOBAL"]
+__all__ = ["PartialFedFixTrainer", "PartialFedAdaptiveTrainer", "train_gated", "LOGITS_STATE"]

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from common.methods import method, method_options
+from common.methods import ROW_KEY, method, method_options
 from common.settings import (
     GROUP_KEYS,
     FinetuneSettings,
@@ -54,8 +54,8 @@ class ConfigError(ValueError):
 
 
 def models_required(cfg: DictConfig) -> tuple[str, ...]:
-    """Models the configured strategy works with (empty = any), from the method table."""
-    return method(str(cfg.strategy.name), cfg.strategy).model
+    """Models the configured strategy works with (empty = any), from the method's row."""
+    return method(str(cfg.strategy.name), cfg.strategy).models
 
 
 def strategy_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
@@ -93,6 +93,9 @@ def run_config_to_overrides(run_config: Mapping[str, Any]) -> list[str]:
 def _check_group_choices(overrides: list[str]) -> None:
     for ov in overrides:
         key = override_key(ov)
+        if key.startswith(f"strategy.{ROW_KEY}"):
+            raise ConfigError(f"{ov}: strategy.{ROW_KEY} says where the method's code lives and is not an "
+                              "option; to change it, edit (or copy into a new method) its conf/strategy/<name>.yaml")
         if key in GROUPS:
             options = group_options(key)
             if parse_override(ov).is_sweep_override():
@@ -209,7 +212,10 @@ def _hydra_compose(overrides: list[str], explain: bool = True) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
+            cfg = compose(config_name="config", overrides=overrides)
+        with open_dict(cfg.strategy):   # the method's registry row, not an option (common/methods.py)
+            cfg.strategy.pop(ROW_KEY, None)
+        return cfg
     except HydraException as err:
         problems = unknown_override_keys(overrides) if explain else []
         if problems:

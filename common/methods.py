@@ -1,36 +1,33 @@
-"""The method table: one row per method, read by the server, the client and the tests.
+"""The method registry: each method's row lives in its own ``conf/strategy/<name>.yaml``.
 
-A row names the server Strategy class, the client trainer class, the parameter-role rule
-(``common/roles.py``) and the options class (``common/options.py``). Classes are imported
-on first use, so a process only loads the code of the method it runs. A variant (e.g.
-FedProx's BABU form, ``strategy.body_only=true``) is a second row selected by an option.
+A row (the YAML's ``_method_`` block) names the server Strategy class, the client trainer
+class, the parameter-role rule (a name in ``common/roles.py`` or the method's own
+``"module:function"``), the options class, the models it works with and, when it trains a
+different model around the configured network, the wrapper that builds it. Classes are
+imported on first use, so a process only loads the code of the method it runs. A variant
+(e.g. FedProx's BABU form, ``strategy.body_only=true``) is a block under ``variants:`` whose
+keys replace the row's when its option is true.
 
-Adding a method = one row here (plus its YAML, server and client modules): the method
-contract test (``tests/test_method_contract.py``) then checks it.
+Adding a method = its YAML (options and row), its server and client modules, and its pure
+``strategies/<name>_math.py`` (options class, wire names, math): nothing else to edit. The
+composed configuration drops the block (``common/config.py``), so a method's options stay
+exactly the YAML's other keys. The method contract test (``tests/test_method_contract.py``)
+checks every row listed here, with no test written.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.options import (
-    DittoOptions,
-    FDSEOptions,
-    FedBABUOptions,
-    FedBasisOptions,
-    FEDORAOptions,
-    FedProxOptions,
-    MethodOptions,
-    PartialFedAdaptiveOptions,
-    PartialFedFixOptions,
-    read_options,
-)
+from common.options import MethodOptions, read_options
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,70 +35,84 @@ if TYPE_CHECKING:
     from client.trainer import ClientTrainer
     from strategies.base import PersonalizedStrategy
 
+STRATEGY_DIR = Path(__file__).resolve().parent.parent / "conf" / "strategy"
+ROW_KEY = "_method_"     # the registry block of conf/strategy/<name>.yaml
+
 
 @dataclass(frozen=True)
 class Method:
     """One method: where its two halves live, how it labels parameters, its options."""
 
-    server: str                     # "module:Class" of the server Strategy
-    client: str                     # "module:Class" of the client trainer
-    roles: str                      # parameter-role rule (common.roles.RULES)
-    options: type[MethodOptions] = MethodOptions
-    model: tuple[str, ...] = ()     # models it works with (empty = any)
-    wrapper: str = ""               # "module:function" wrapping the network (FedBasis' bases)
+    server: str                              # "module:Class" of the server Strategy
+    client: str                              # "module:Class" of the client trainer
+    roles: str                               # a rule of common.roles.RULES, or "module:function"
+    options: str = "common.options:MethodOptions"   # "module:Class" of its options
+    models: tuple[str, ...] = ()             # models it works with (empty = any; first = default)
+    wrapper: str = ""                        # "module:function" wrapping the network (FedBasis' bases)
+    variants: tuple[tuple[str, Method], ...] = ()   # (option that must be true, the variant's row)
 
 
-METHODS: dict[str, Method] = {
-    "fedavg": Method("strategies.baselines:FedAvg", "client.trainer:ClientTrainer", "all-shared"),
-    "fedavg-ft": Method("strategies.baselines:FedAvgFT", "client.baselines:FedAvgFTTrainer", "all-shared"),
-    "local": Method("strategies.baselines:Local", "client.baselines:LocalTrainer", "all-local"),
-    "fedprox": Method("strategies.baselines:FedProx", "client.baselines:FedProxTrainer", "all-shared",
-                      FedProxOptions),
-    "fedprox-ft": Method("strategies.baselines:FedProxFT", "client.baselines:FedProxFTTrainer", "all-shared",
-                         FedProxOptions),
-    "fedbn": Method("strategies.baselines:FedBN", "client.baselines:FedBNTrainer", "bn-local"),
-    "ditto": Method("strategies.baselines:Ditto", "client.baselines:DittoTrainer", "all-shared",
-                    DittoOptions),
-    "fedbabu": Method("strategies.fedbabu:FedBABU", "client.fedbabu:FedBABUTrainer", "head-frozen",
-                      FedBABUOptions),
-    "fdse": Method("strategies.fdse:FDSE", "client.fdse:FDSETrainer", "fdse", FDSEOptions,
-                   model=("fdse-alexnet", "fdse-resnet18")),
-    "fedora": Method("strategies.fedora:FEDORA", "client.fedora:FEDORATrainer", "all-personal",
-                     FEDORAOptions),
-    "partialfed-fix": Method("strategies.partialfed:PartialFedFix", "client.partialfed:PartialFedFixTrainer",
-                             "all-shared", PartialFedFixOptions),
-    "partialfed-adaptive": Method("strategies.partialfed:PartialFedAdaptive",
-                                  "client.partialfed:PartialFedAdaptiveTrainer", "all-shared",
-                                  PartialFedAdaptiveOptions),
-    "fedbasis": Method("strategies.fedbasis:FedBasis", "client.fedbasis:FedBasisTrainer", "fedbasis",
-                       FedBasisOptions, wrapper="learning.basis:wrap_in_bases"),
-}
+def method_names() -> list[str]:
+    """Every method: the YAML files of ``conf/strategy/`` (a leading underscore marks a base
+    file, not a method)."""
+    return sorted(p.stem for p in STRATEGY_DIR.glob("*.yaml") if not p.stem.startswith("_"))
 
-# (method name, option that must be true) -> the variant's row
-VARIANTS: dict[tuple[str, str], Method] = {
-    ("fedprox", "body_only"): Method("strategies.fedbabu:FedProxBABU", "client.fedbabu:FedProxBABUTrainer",
-                                     "head-frozen", FedProxOptions),
-    # FedProx+BABU fine-tunes at evaluation anyway (as FedBABU): the same variant
-    ("fedprox-ft", "body_only"): Method("strategies.fedbabu:FedProxBABU", "client.fedbabu:FedProxBABUTrainer",
-                                        "head-frozen", FedProxOptions),
-}
 
-STRATEGIES = tuple(METHODS)
+def _row(values: Mapping[str, Any], where: str, base: Method | None = None) -> Method:
+    """A :class:`Method` from a YAML row, every key checked (``base``: the row whose keys a
+    variant's block replaces)."""
+    known = {f.name for f in fields(Method)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown} in {ROW_KEY}; valid: {sorted(known)}")
+    merged: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(Method)} if base else {}
+    merged.update({k: v for k, v in values.items() if k != "variants"})
+    merged["models"] = tuple(merged.get("models") or ())
+    merged["variants"] = ()
+    missing = [k for k in ("server", "client", "roles") if not merged.get(k)]
+    if missing:
+        raise ValueError(f"{where}: {ROW_KEY} lacks {missing} (the server class, client class and "
+                         "role rule; see docs/architecture.md, 'Adding a method')")
+    row = Method(**merged)
+    if base is None and values.get("variants"):
+        variants = tuple((flag, _row(v, f"{where} (variant {flag})", row))
+                         for flag, v in dict(values["variants"]).items())
+        row = Method(**{**merged, "variants": variants})
+    return row
+
+
+@functools.cache
+def _method_row(name: str) -> Method:
+    import yaml
+
+    path = STRATEGY_DIR / f"{name}.yaml"
+    if name.startswith("_") or "/" in name or not path.is_file():
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(method_names())}")
+    doc = yaml.safe_load(path.read_text()) or {}
+    block = doc.get("strategy", doc) if isinstance(doc, dict) else {}   # a `# @package _global_` file
+    if ROW_KEY not in block:
+        raise ValueError(f"conf/strategy/{name}.yaml has no {ROW_KEY} block naming the method's server "
+                         "class, client class and role rule (see docs/architecture.md, 'Adding a method')")
+    return _row(block[ROW_KEY], f"conf/strategy/{name}.yaml")
 
 
 def method(name: str, options: Mapping[str, Any] | None = None) -> Method:
-    """The row for ``name`` (the variant's row when its option is set)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(sorted(METHODS))}")
-    for (variant, flag), row in VARIANTS.items():
-        if name == variant and options is not None and bool(options.get(flag, False)):
-            return row
-    return METHODS[name]
+    """The row for ``name`` (the variant's row when its option is set); read once per process."""
+    row = _method_row(name)
+    for flag, variant in row.variants:
+        if options is not None and bool(options.get(flag, False)):
+            return variant
+    return row
 
 
-def _load(path: str) -> type:
-    module, cls = path.split(":")
-    return getattr(importlib.import_module(module), cls)
+def _load(path: str) -> Any:
+    """The object a row names as ``"module:attribute"``."""
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{path!r}, named in a conf/strategy/*.yaml {ROW_KEY} row, cannot be imported "
+                         f"({err}); give it as 'package.module:Name'") from err
 
 
 def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[PersonalizedStrategy]:
@@ -115,7 +126,7 @@ def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[C
 def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     """The validated options object of the configured strategy (``cfg.strategy``)."""
     name = str(strategy["name"])
-    return read_options(method(name, strategy).options, strategy)
+    return read_options(_load(method(name, strategy).options), strategy)
 
 
 # built models per process: (key) -> (template, last seed set, CPU RNG state after building)
@@ -156,7 +167,7 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
         return build_model(cfg["model"], input_shape, num_classes)
 
     row = method(str(cfg["strategy"]["name"]), cfg["strategy"])
-    model = make(0) if not row.wrapper else _load(row.wrapper)(make, method_options(cfg["strategy"]))  # type: ignore[operator]
+    model = make(0) if not row.wrapper else _load(row.wrapper)(make, method_options(cfg["strategy"]))
     _BUILT[key] = (copy.deepcopy(model), seeds[-1], torch.get_rng_state())
     while len(_BUILT) > _BUILT_MAX:
         _BUILT.popitem(last=False)

@@ -33,15 +33,6 @@ EVAL_METRICS_KEY = "eval-metrics"
 CLIENT_INDEX = "client-index"     # int: participating client index, or -1 for named clients
 NEW_CLIENT_INDEX = "new-client-index"
 
-# ---- method-specific wire names (one place, read by both sides)
-# FedBABU: the server's head digest in the train config; the client's "head stored" metric
-HEAD_DIGEST_KEY = "head-sha256"
-HEAD_STORED_METRIC = "head_stored"
-# FEDORA: the extra record carrying a client's basis and the array in it; the train-config
-# key listing (comma-separated) the clients whose basis the server still lacks
-BASIS_RECORD = "basis"
-BASIS_ARRAY = "u"
-NEED_BASIS_KEY = "fedora-need-basis"
 
 
 # A record of many arrays travels as two: the bytes of all of them and an index. In a
@@ -162,7 +153,3 @@ def _metric_record(metrics: Mapping[str, float], client_id: str, num_examples: i
 
 def config_dict(record: ConfigRecord | None) -> dict[str, object]:
     return dict(record.items()) if record is not None else {}
-
-# method metrics the server reads from train replies (per unit)
-P_GLOBAL_METRIC = "p_global/"   # PartialFed-Adaptive: P(load global), as p_global/<unit>
-COEFF_METRIC = "coeff/"         # FedBasis: learned coefficients, as coeff/<unit>/<k>

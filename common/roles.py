@@ -59,41 +59,31 @@ def _head_frozen(model: nn.Module) -> dict[str, str]:
     return {k: FROZEN if k in head else SHARED for k in model.state_dict()}
 
 
-def _fdse(model: nn.Module) -> dict[str, str]:
-    """FDSE: DFE and head shared, DSE personal, BN_DSE running statistics local."""
-    from learning.fdse_model import dse_blocks, parameter_classes
-
-    if not dse_blocks(model):
-        raise ValueError(f"strategy fdse needs an FDSE model (model=fdse-alexnet or fdse-resnet18), "
-                         f"got {type(model).__name__} without DSE blocks")
-    return dict(parameter_classes(model))   # its classes are named as these roles
-
-
-def _fedbasis(model: nn.Module) -> dict[str, str]:
-    """FedBasis: the bases (and the major basis) shared, the combination logits local."""
-    from learning.basis import COEFF_KEY
-
-    if COEFF_KEY not in model.state_dict():
-        raise ValueError(f"strategy fedbasis needs its basis model, got {type(model).__name__}")
-    return {k: LOCAL if k == COEFF_KEY else SHARED for k in model.state_dict()}
-
-
 RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
     "all-shared": _all(SHARED),
     "all-local": _all(LOCAL),
     "all-personal": _all(PERSONAL),
     "bn-local": _bn_local,
     "head-frozen": _head_frozen,
-    "fdse": _fdse,
-    "fedbasis": _fedbasis,
 }
 
 
 def roles_by_rule(rule: str, model: nn.Module) -> dict[str, str]:
-    """Apply the named rule to ``model``: ``{state-dict key: role}`` in state-dict order."""
-    if rule not in RULES:
-        raise ValueError(f"unknown parameter-role rule {rule!r}; valid: {', '.join(RULES)}")
-    roles = RULES[rule](model)
+    """Apply ``rule`` to ``model``: ``{state-dict key: role}`` in state-dict order.
+
+    ``rule`` is a name in :data:`RULES` or a method's own rule as ``"module:function"`` (FDSE's
+    and FedBasis' live in their ``strategies/<name>_math.py``), named in the method's YAML."""
+    if ":" in rule:
+        import importlib
+
+        module, function = rule.split(":")
+        apply = getattr(importlib.import_module(module), function)
+    elif rule in RULES:
+        apply = RULES[rule]
+    else:
+        raise ValueError(f"unknown parameter-role rule {rule!r}; valid: {', '.join(RULES)} "
+                         "or a method's own rule as 'module:function'")
+    roles = apply(model)
     bad = {k: r for k, r in roles.items() if r not in ROLES}
     if bad:
         raise ValueError(f"rule {rule!r} gave unknown roles {bad}")

@@ -191,7 +191,11 @@ class PersonalizedStrategy(Strategy):
     data : the data summary (client sizes, domains, input shape), for methods that need it.
     """
 
-    name: ClassVar[str] = "fedavg"
+    @property
+    def name(self) -> str:
+        """The configured method's name (``strategy.name``): several methods share a class."""
+        return self.options.name
+
     # Clients that were sampled but delivered no valid update keep their server-side
     # ``personal`` arrays unchanged (restored after ``aggregate_updates``). A method whose
     # rule must touch absent clients' personal state sets this to False.

@@ -38,10 +38,10 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.common.logger import log
 
-from common.options import FDSEOptions
 from learning.params import NDArrays, is_float, weighted_mean
 from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
 from strategies.fdse_math import (
+    FDSEOptions,
     attention_mix,
     attention_mix_many,
     consensus_update,
@@ -100,7 +100,6 @@ class FDSE(PersonalizedStrategy):
     min-norm QP), ``zero_policy`` ("exclude": a client with a zero update gets no weight;
     "include": the authors' code's ``delta / (||delta|| + 1e-8)``)."""
 
-    name: ClassVar[str] = "fdse"
     mean_rule: ClassVar[bool] = False   # MGDA consensus and attention need every update at once
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:

@@ -52,19 +52,68 @@ u_i > 0). A problem is converged when gap <= ``tol`` (absolute; the rows being u
 vectors, G has unit diagonal and f <= 1, so this is also a relative tolerance). Default
 ``tol = 1e-10``. If ``max_iter`` is reached first the best iterate is returned and a
 ``RuntimeWarning`` reports the largest remaining gap.
+
+The method's part that server and client both read is here too: ``FDSEOptions`` (the options
+of ``conf/strategy/fdse.yaml``) and the role rule :func:`fdse_roles`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from common.options import MethodOptions, check_choice, check_finite, check_option
 from learning.params import stack_rows
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class FDSEOptions(MethodOptions):
+    """FDSE: consistency loss (lam, beta, form, first round), server rules (tau,
+    consensus_tol, zero_policy) and unseen-domain adaptation (adapt_*)."""
+
+    lam: float
+    beta: float
+    tau: float
+    consistency_form: str
+    consistency_from_round: int
+    consensus_tol: float
+    zero_policy: str
+    adapt_epochs: int
+    adapt_lr: float
+    adapt_on: str
+    evaluate: str
+
+    def __post_init__(self) -> None:
+        check_choice("evaluate", self.evaluate, ("trained", "aggregated"))
+        check_finite("lam", self.lam, 0.0)
+        check_finite("beta", self.beta)
+        check_finite("tau", self.tau, 0.0, strict=True)
+        check_choice("consistency_form", self.consistency_form, ("paper", "code"))
+        check_finite("consensus_tol", self.consensus_tol, 0.0)
+        check_choice("zero_policy", self.zero_policy, ("exclude", "include"))
+        check_option(self.adapt_epochs >= 0, f"strategy.adapt_epochs must be >= 0, got {self.adapt_epochs}")
+        check_finite("adapt_lr", self.adapt_lr, 0.0, strict=True)
+        check_choice("adapt_on", self.adapt_on, ("train", "test"))
+
+
+def fdse_roles(model: nn.Module) -> dict[str, str]:
+    """FDSE: DFE and head shared, DSE personal, BN_DSE running statistics local."""
+    from learning.fdse_model import dse_blocks, parameter_classes
+
+    if not dse_blocks(model):
+        raise ValueError(f"strategy fdse needs an FDSE model (model=fdse-alexnet or fdse-resnet18), "
+                         f"got {type(model).__name__} without DSE blocks")
+    return dict(parameter_classes(model))   # its classes are named as these roles
+
 
 __all__ = [
     "min_norm_weights",

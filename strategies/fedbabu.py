@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 from flwr.app import Message
 from flwr.common.logger import log
 
-from common.options import FedBABUOptions, FedProxOptions
-from common.protocol import HEAD_DIGEST_KEY, HEAD_STORED_METRIC, client_sort_key
+from common.options import FedProxOptions
+from common.protocol import client_sort_key
 from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, num_bytes
 from strategies.base import (
@@ -36,6 +36,9 @@ from strategies.base import (
     TrainRound,
 )
 from strategies.fedbabu_math import (
+    HEAD_DIGEST_KEY,
+    HEAD_STORED_METRIC,
+    FedBABUOptions,
     average_body,
     head_digest,
     init_head,
@@ -47,7 +50,6 @@ class FedBABU(PersonalizedStrategy):
     """FedBABU: theta_ext <- sum_i w_i theta_ext,i / sum_i w_i over the round's clients;
     theta_cls = theta_cls^0 for the whole training (fine-tuned only at evaluation)."""
 
-    name: ClassVar[str] = "fedbabu"
     mean_rule: ClassVar[bool] = False   # its own body average (average_body), over every update
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
@@ -147,4 +149,3 @@ class FedProxBABU(FedBABU):
     """FedProx+BABU: FedBABU's server rule (body-only averaging, fixed orthogonal head);
     the proximal term lives on the client (``client.fedbabu.FedProxBABUTrainer``)."""
 
-    name: ClassVar[str] = "fedprox"

@@ -8,17 +8,42 @@ whole federated training and aggregates only the body:
 
     theta_ext^{k} = sum_{i in C^k} w_i theta_ext,i^k / sum_{i in C^k} w_i,
     w_i = n_i (sample-weighted, the paper's rule) or w_i = 1 (the authors' code).
+
+The method's part that server and client both read is here too: ``FedBABUOptions`` (the
+options of ``conf/strategy/fedbabu.yaml``) and the wire names ``HEAD_DIGEST_KEY`` and
+``HEAD_STORED_METRIC``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
 
+from common.options import MethodOptions, check_choice, check_finite
 from learning.params import NDArrays, weighted_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBABUOptions(MethodOptions):
+    """FedBABU: how the fixed head is initialised (and the orthogonal init's gain)."""
+
+    head_init: str
+    head_gain: float
+
+    def __post_init__(self) -> None:
+        check_choice("head_init", self.head_init, ("orthogonal", "default"))
+        check_finite("head_gain", self.head_gain, 0.0, strict=True)
+
+
+# wire names, read by both sides: the server's head digest in the train config; the
+# client's "head stored" metric
+HEAD_DIGEST_KEY = "head-sha256"
+HEAD_STORED_METRIC = "head_stored"
+
 
 HEAD_INITS = ("orthogonal", "default")
 

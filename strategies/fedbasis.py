@@ -23,24 +23,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from flwr.common.logger import log
 
 from common.figures import inches, tick_step
-from common.options import FedBasisOptions
-from common.protocol import COEFF_METRIC, client_sort_key
+from common.protocol import client_sort_key
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
 from learning.params import NDArrays
 from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
-from strategies.fedbasis_math import flatten, mean_entropy, mean_pairwise_cosine, seed_bases
+from strategies.fedbasis_math import (
+    COEFF_METRIC,
+    FedBasisOptions,
+    flatten,
+    mean_entropy,
+    mean_pairwise_cosine,
+    seed_bases,
+)
 
 
 class FedBasis(PersonalizedStrategy):
     """FedBasis (see the module docstring)."""
 
-    name: ClassVar[str] = "fedbasis"
     options: FedBasisOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

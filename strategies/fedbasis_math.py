@@ -6,15 +6,73 @@
   FedAvg warm-up: the K-means centroids, or K clients' models sampled without replacement.
 * :func:`mean_pairwise_cosine` and :func:`mean_entropy`: the collapse diagnostics (bases
   becoming alike; coefficients becoming uniform, Sec. 4.2).
+
+The method's part that server and client both read is here too: ``FedBasisOptions`` (the
+options of ``conf/strategy/fedbasis.yaml``), the role rule :func:`fedbasis_roles` and the
+wire name ``COEFF_METRIC``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from common.options import MethodOptions, check_choice, check_option
+from common.roles import LOCAL, SHARED
 from learning.params import NDArrays
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBasisOptions(MethodOptions):
+    """FedBasis (Chen et al., arXiv 2304.07882): the basis model and its coordinate descent.
+
+    ``num_bases`` K (besides the major basis when ``major``); one coefficient vector per unit
+    of ``granularity``; per round ``coeff_epochs`` on the logits (bases frozen, lr
+    ``coeff_lr``, null = train.lr), sharpening by ``sharpen_tau``, ``basis_epochs`` on the
+    bases (logits frozen); FedAvg for the first ``warm_fraction`` of the rounds, then the
+    bases are seeded from the clients' models by ``seed_bases`` (kmeans | sample); new
+    clients learn their logits and, with ``personalize_head``, the classifier.
+    """
+
+    num_bases: int
+    major: bool
+    granularity: str
+    coeff_epochs: int
+    basis_epochs: int
+    coeff_lr: float | None
+    sharpen_tau: float
+    warm_fraction: float
+    seed_bases: str
+    personalize_head: bool
+
+    def __post_init__(self) -> None:
+        check_option(self.num_bases >= 1, f"strategy.num_bases must be >= 1, got {self.num_bases}")
+        check_choice("granularity", self.granularity, ("stage", "block", "layer"))
+        check_option(self.coeff_epochs >= 0, f"strategy.coeff_epochs must be >= 0, got {self.coeff_epochs}")
+        check_option(self.basis_epochs >= 0, f"strategy.basis_epochs must be >= 0, got {self.basis_epochs}")
+        check_option(self.coeff_lr is None or self.coeff_lr > 0, f"strategy.coeff_lr must be > 0 or null, got {self.coeff_lr}")
+        check_option(0 < self.sharpen_tau <= 1, f"strategy.sharpen_tau must be in (0, 1], got {self.sharpen_tau}")
+        check_option(0 <= self.warm_fraction < 1, f"strategy.warm_fraction must be in [0, 1), got {self.warm_fraction}")
+        check_choice("seed_bases", self.seed_bases, ("kmeans", "sample"))
+
+
+def fedbasis_roles(model: nn.Module) -> dict[str, str]:
+    """FedBasis: the bases (and the major basis) shared, the combination logits local."""
+    from learning.basis import COEFF_KEY
+
+    if COEFF_KEY not in model.state_dict():
+        raise ValueError(f"strategy fedbasis needs its basis model, got {type(model).__name__}")
+    return {k: LOCAL if k == COEFF_KEY else SHARED for k in model.state_dict()}
+
+
+# wire name, read by both sides: the learned coefficients' metrics, coeff/<unit>/<k>
+COEFF_METRIC = "coeff/"
 
 
 def flatten(arrays: Mapping[str, np.ndarray], keys: Sequence[str], dtype: type = np.float64) -> np.ndarray:

@@ -41,11 +41,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.figures import inches, tick_step
-from common.options import FEDORAOptions
-from common.protocol import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 from learning.params import NDArrays
 from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
 from strategies.fedora_math import (
+    BASIS_ARRAY,
+    BASIS_RECORD,
+    NEED_BASIS_KEY,
+    FEDORAOptions,
     data_subspace_basis,
     propagate,
     propagate_clients,
@@ -55,12 +57,9 @@ from strategies.fedora_math import (
     subspace_similarity,
 )
 
+# the strategy and its math in one import (the functions are defined in strategies/fedora_math.py)
 __all__ = [
     "FEDORA",
-    "FEDORAOptions",
-    "BASIS_RECORD",
-    "BASIS_ARRAY",
-    "NEED_BASIS_KEY",
     "subspace_similarity",
     "propagate",
     "propagate_clients",
@@ -86,7 +85,6 @@ class FEDORA(PersonalizedStrategy):
     cosines, for the report).
     """
 
-    name: ClassVar[str] = "fedora"
     mean_rule: ClassVar[bool] = False   # the propagation mixes every client's model
     options: FEDORAOptions
 

@@ -21,17 +21,64 @@ Pipeline
    ``a = alpha / (1 + alpha)``, the fixed point of
    ``theta_hat_k <- a / D_kk * sum_k' w_kk' theta_hat_k' + (1 - a) theta_k``,
    see :func:`propagate` and :func:`propagate_many`.
+
+The method's part that server and client both read is here too: ``FEDORAOptions`` (the
+options of ``conf/strategy/fedora.yaml``) and the wire names ``BASIS_RECORD``,
+``BASIS_ARRAY`` and ``NEED_BASIS_KEY``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from common.options import MethodOptions, check_choice, check_finite, check_option
 from learning.params import aggregation_device
+
+
+@dataclasses.dataclass(frozen=True)
+class FEDORAOptions(MethodOptions):
+    """FEDORA: propagation strength, similarity form, data-subspace basis, selective lambda."""
+
+    alpha: float
+    similarity: str
+    top_k: int | None
+    temperature: float
+    self_loops: bool
+    basis_rank: int
+    basis_labels: bool
+    lambda_form: str
+    eps: float
+    lambda_max: float | str | None
+    basis_inputs: str
+    penalty: str
+
+    def __post_init__(self) -> None:
+        check_choice("basis_inputs", self.basis_inputs, ("unit", "normalised"))
+        check_choice("penalty", self.penalty, ("loss", "decoupled"))
+        check_option(self.lambda_max is None or self.lambda_max == "auto"
+                     or (isinstance(self.lambda_max, int | float) and not isinstance(self.lambda_max, bool)
+                     and math.isfinite(self.lambda_max) and self.lambda_max > 0),
+                     f"strategy.lambda_max must be auto, a number > 0 or null (unbounded), got {self.lambda_max!r}")
+        check_finite("alpha", self.alpha, 0.0, strict=True)
+        check_choice("similarity", self.similarity, ("paper", "code"))
+        check_option(self.top_k is None or self.top_k >= 1, f"strategy.top_k must be >= 1 or null, got {self.top_k}")
+        check_finite("temperature", self.temperature)
+        check_option(self.basis_rank >= 1, f"strategy.basis_rank must be >= 1, got {self.basis_rank}")
+        check_choice("lambda_form", self.lambda_form, ("paper", "code"))
+        check_finite("eps", self.eps, 0.0)
+
+
+# wire names, read by both sides: the extra record carrying a client's basis and the array
+# in it; the train-config key listing (comma-separated) the clients whose basis the server lacks
+BASIS_RECORD = "basis"
+BASIS_ARRAY = "u"
+NEED_BASIS_KEY = "fedora-need-basis"
+
 
 __all__ = [
     "SIMILARITY_FORMS",

@@ -14,26 +14,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from flwr.common.logger import log
 
-from common.protocol import P_GLOBAL_METRIC as P_GLOBAL
 from common.protocol import client_sort_key
 from learning.params import NDArrays
 from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
+from strategies.partialfed_math import P_GLOBAL_METRIC as P_GLOBAL
 
 
 class PartialFedFix(PersonalizedStrategy):
     """PartialFed-Fix: FedAvg's server rule; each client loads part of the global model."""
 
-    name: ClassVar[str] = "partialfed-fix"
 
 
 class PartialFedAdaptive(PersonalizedStrategy):
     """PartialFed-Adaptive: FedAvg's server rule; records the clients' learned gates."""
 
-    name: ClassVar[str] = "partialfed-adaptive"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

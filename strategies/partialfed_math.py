@@ -14,14 +14,65 @@ gradients flowing to the chosen copy and, through the straight-through estimator
 logits. The temperature anneals from 5.0 towards 0 over the rounds (:func:`anneal_tau`).
 At the end of a round the client's model is the probability-weighted mix (soft, then
 fine-tuned) or the argmax copy (hard) per unit (:func:`merge_by_unit`).
+
+The method's part that server and client both read is here too: ``PartialFedFixOptions`` and
+``PartialFedAdaptiveOptions`` (the options of ``conf/strategy/partialfed-*.yaml``) and the
+wire name ``P_GLOBAL_METRIC``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
 import torch
+
+from common.options import MethodOptions, check_choice, check_finite, check_option
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialFedFixOptions(MethodOptions):
+    """PartialFed-Fix: the named loading rule (``strategies.partialfed_math.FIX_RULES``)."""
+
+    rule: str
+
+    def __post_init__(self) -> None:
+        check_choice("rule", self.rule, ("all", "no-bn", "no-fc", "no-bn-fc", "s1", "s1-s2", "s1-s3", "s1-s4",
+                                    "fc", "s4-fc", "s3-fc", "s2-fc", "ABCD", "abcd"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialFedAdaptiveOptions(MethodOptions):
+    """PartialFed-Adaptive: unit granularity, Gumbel temperature schedule, the f_m/f_s
+    alternation, the logits' learning rate and how the round's model is taken."""
+
+    granularity: str
+    tau_start: float
+    tau_end: float
+    tau_schedule: str
+    model_batches: int
+    strategy_batches: int
+    gate_lr: float | None
+    final: str
+    finetune_epochs: int
+
+    def __post_init__(self) -> None:
+        check_choice("granularity", self.granularity, ("stage", "block", "layer"))
+        check_finite("tau_start", self.tau_start, 0.0, strict=True)
+        check_finite("tau_end", self.tau_end, 0.0, strict=True)
+        check_choice("tau_schedule", self.tau_schedule, ("exp", "linear"))
+        check_option(self.model_batches >= 1, f"strategy.model_batches (f_m) must be >= 1, got {self.model_batches}")
+        check_option(self.strategy_batches >= 1,
+                     f"strategy.strategy_batches (f_s) must be >= 1, got {self.strategy_batches}")
+        check_option(self.gate_lr is None or self.gate_lr > 0, f"strategy.gate_lr must be > 0 or null, got {self.gate_lr}")
+        check_choice("final", self.final, ("soft", "hard"))
+        check_option(self.finetune_epochs >= 0, f"strategy.finetune_epochs must be >= 0, got {self.finetune_epochs}")
+
+
+# wire name, read by both sides: PartialFed-Adaptive's P(load global) metric, p_global/<unit>
+P_GLOBAL_METRIC = "p_global/"
+
 
 FIX_RULES = ("all", "no-bn", "no-fc", "no-bn-fc", "s1", "s1-s2", "s1-s3", "s1-s4",
              "fc", "s4-fc", "s3-fc", "s2-fc", "ABCD", "abcd")

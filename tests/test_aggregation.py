@@ -48,7 +48,7 @@ def test_weighted_mean_rejects_bad_weights():
 def _strategy(cls, clients, weighted=True):
     initial = {k: np.zeros_like(v) for k, v in clients[0].items()}
     return make_strategy(cls, initial, [str(i) for i in range(len(clients))],
-                         options={"name": cls.name, "weighted": weighted})
+                         options={"name": "local" if cls is Local else "fedavg", "weighted": weighted})
 
 
 @pytest.mark.parametrize("weighted", [True, False])

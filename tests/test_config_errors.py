@@ -195,3 +195,41 @@ def test_a_nodes_data_root_is_the_root_of_datasets_read_from_files_only() -> Non
     assert on_node({}) == "" and on_node({"dataset": "mnist5k-rotated"}) == ""
     assert on_node({"dataset": "mnist"}) == "/data" and on_node({"dataset": "fashion-mnist"}) == "/data"
     assert compose_config({"dataset": "mnist"}, ["dataset.root=/mine"], node_root="/data").dataset.root == "/data"
+
+
+def test_the_method_registry_is_the_yaml_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every YAML of conf/strategy/ is a method whose row names importable classes; the row is
+    not an option (the composed config drops it, an override of it is refused); a YAML
+    without a row, or with a mistyped key in it, fails with the file to fix."""
+    import importlib
+
+    from common import methods
+
+    names = methods.method_names()
+    assert names == group_options("strategy") and len(names) == 13
+    for name in names:
+        row = methods.method(name)
+        for path in (row.server, row.client, row.options, *(v.server for _, v in row.variants)):
+            module, attr = path.split(":")
+            assert hasattr(importlib.import_module(module), attr), (name, path)
+        assert methods.ROW_KEY not in compose_config({"strategy": name}).strategy
+    with pytest.raises(ConfigError, match="not an option"):
+        compose_config({"strategy": "fedavg"}, ["strategy._method_.server=x:Y"])
+    with pytest.raises(ValueError, match="unknown strategy 'fedavgg'; valid: ditto, fdse"):
+        methods.method("fedavgg")
+    with pytest.raises(ValueError, match=r"'strategies.nope:X', named in a conf/strategy/\*.yaml _method_ row, "
+                                         "cannot be imported"):
+        methods._load("strategies.nope:X")
+
+    monkeypatch.setattr(methods, "STRATEGY_DIR", tmp_path)
+    methods._method_row.cache_clear()
+    try:
+        (tmp_path / "mine.yaml").write_text("name: mine\nweighted: true\n")
+        with pytest.raises(ValueError, match=r"conf/strategy/mine.yaml has no _method_ block"):
+            methods.method("mine")
+        methods._method_row.cache_clear()
+        (tmp_path / "mine.yaml").write_text("name: mine\n_method_:\n  server: a:B\n  client: c:D\n  role: all-shared\n")
+        with pytest.raises(ValueError, match=r"mine.yaml: unknown key\(s\) \['role'\] in _method_"):
+            methods.method("mine")
+    finally:
+        methods._method_row.cache_clear()

@@ -25,8 +25,14 @@ from learning.params import num_bytes
 from server.app import build_strategy
 from server.summary import build_summary
 from strategies.base import ClientUpdate, TrainRound
-from strategies.fedbabu import HEAD_DIGEST_KEY, FedProxBABU
-from strategies.fedbabu_math import average_body, head_digest, init_head, split_head
+from strategies.fedbabu import FedProxBABU
+from strategies.fedbabu_math import (
+    HEAD_DIGEST_KEY,
+    average_body,
+    head_digest,
+    init_head,
+    split_head,
+)
 
 HEAD_KEYS = ["head.weight", "head.bias"]
 

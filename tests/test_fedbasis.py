@@ -15,7 +15,7 @@ from helpers import FakeGrid, model_config, pflower
 from torch import nn
 from torch.func import functional_call
 
-from client.fedbasis import COEFF_METRIC, FedBasisTrainer
+from client.fedbasis import FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
 from common.config import ConfigError, compose_config
 from common.flower_compat import send_and_receive
@@ -27,7 +27,13 @@ from learning.params import get_arrays
 from learning.training import OptimConfig
 from server.app import build_strategy
 from strategies.base import ClientUpdate, TrainRound
-from strategies.fedbasis_math import kmeans, mean_entropy, mean_pairwise_cosine, seed_bases
+from strategies.fedbasis_math import (
+    COEFF_METRIC,
+    kmeans,
+    mean_entropy,
+    mean_pairwise_cosine,
+    seed_bases,
+)
 
 
 def _cfg(*overrides: str):

@@ -28,7 +28,8 @@ from learning.params import get_arrays
 from learning.sources import DatasetError
 from learning.training import OptimConfig, train_epochs
 from strategies.base import ClientUpdate, RunSettings, TrainRound
-from strategies.fedora import BASIS_ARRAY, BASIS_RECORD, FEDORA, NEED_BASIS_KEY
+from strategies.fedora import FEDORA
+from strategies.fedora_math import BASIS_ARRAY, BASIS_RECORD, NEED_BASIS_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 # These tests were written for the paper's text; the default is the authors' code forms
@@ -576,7 +577,7 @@ def test_unit_inputs_reach_the_model_and_the_basis_unchanged():
 
 
 def test_lambda_max_option_is_checked():
-    from common.options import FEDORAOptions
+    from strategies.fedora_math import FEDORAOptions
 
     base = dict(compose_config({"strategy": "fedora"}).strategy)
     for bad in (0, -1.0, "big", float("nan")):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import split_overrides, to_toml_run_config
-from common.methods import STRATEGIES
+from common.methods import method_names
 from ops.deployment.launch import APP_DIR, flwr_run, simulation_superlink
 
 pytestmark = pytest.mark.e2e
@@ -45,11 +45,11 @@ def test_every_method_runs_under_flowers_own_strategy_start(tmp_path: Path) -> N
     results = tmp_path / "results"
     common = ["rounds=2", "seed=0", f"results_root={results}", f"data_cache={tmp_path / 'cache'}"]
     with simulation_superlink() as (_, flwr_home):
-        for name in STRATEGIES:
+        for name in method_names():
             _submit(project, flwr_home, [f"strategy={name}", f"run_name=start-{name}", *common])
         _submit(APP_DIR, flwr_home, ["strategy=fedavg", "run_name=pflower-fedavg", *common])
 
-    for name in STRATEGIES:
+    for name in method_names():
         out = results / f"start-{name}" / "flower_start.json"
         assert out.exists(), f"{name}: Flower's start wrote nothing"
         result = json.loads(out.read_text())

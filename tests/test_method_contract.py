@@ -31,7 +31,7 @@ from helpers import FakeGrid
 
 from client import app as client_app
 from common.config import compose_config
-from common.methods import METHODS, VARIANTS, parameter_roles
+from common.methods import method, method_names, parameter_roles
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
 from learning.data import load_federated_data
@@ -40,8 +40,8 @@ from server.checkpoint import load_checkpoint
 from server.loop import checkpoint_identity, run_federation
 from server.results import RunRecorder
 
-CASES = [(name, []) for name in METHODS] + [
-    (name, [f"strategy.{flag}=true"]) for name, flag in VARIANTS]
+CASES = [(name, []) for name in method_names()] + [
+    (name, [f"strategy.{flag}=true"]) for name in method_names() for flag, _ in method(name).variants]
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "finetune.epochs=1",
          "checkpoint_every=1", "fraction_train=1.0", "deterministic=true"]   # bit-identical on CUDA too
 
