@@ -48,7 +48,11 @@ from strategies.fedbabu_math import (
 
 class FedBABU(PersonalizedStrategy):
     """FedBABU: theta_ext <- sum_i w_i theta_ext,i / sum_i w_i over the round's clients;
-    theta_cls = theta_cls^0 for the whole training (fine-tuned only at evaluation)."""
+    theta_cls = theta_cls^0 for the whole training (fine-tuned only at evaluation).
+
+    Also the server of FedProx+BABU (``strategy=fedprox strategy.body_only=true``, FedProx's
+    options: the orthogonal head at gain 1); its proximal term lives on the client
+    (``client.fedbabu.FedProxBABUTrainer``)."""
 
     mean_rule: ClassVar[bool] = False   # its own body average (average_body), over every update
 
@@ -143,9 +147,3 @@ class FedBABU(PersonalizedStrategy):
         if head_digest(head) != self.head_sha:
             raise ValueError("the checkpoint's head differs from this run's initial head (different "
                              "seed or head_init?); resume with the original configuration")
-
-
-class FedProxBABU(FedBABU):
-    """FedProx+BABU: FedBABU's server rule (body-only averaging, fixed orthogonal head);
-    the proximal term lives on the client (``client.fedbabu.FedProxBABUTrainer``)."""
-
