@@ -187,4 +187,5 @@ def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, 
     """``{state-dict key: role}`` of ``model`` under the configured strategy."""
     from common.roles import roles_by_rule
 
-    return roles_by_rule(method(str(strategy["name"]), strategy).roles, model)
+    rule = method(str(strategy["name"]), strategy).roles
+    return roles_by_rule(rule, model, _load(rule) if ":" in rule else None)

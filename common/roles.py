@@ -68,22 +68,17 @@ RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
 }
 
 
-def roles_by_rule(rule: str, model: nn.Module) -> dict[str, str]:
+def roles_by_rule(rule: str, model: nn.Module,
+                  own: Callable[[nn.Module], dict[str, str]] | None = None) -> dict[str, str]:
     """Apply ``rule`` to ``model``: ``{state-dict key: role}`` in state-dict order.
 
-    ``rule`` is a name in :data:`RULES` or a method's own rule as ``"module:function"`` (FDSE's
-    and FedBasis' live in their ``strategies/<name>_math.py``), named in the method's YAML."""
-    if ":" in rule:
-        import importlib
-
-        module, function = rule.split(":")
-        apply = getattr(importlib.import_module(module), function)
-    elif rule in RULES:
-        apply = RULES[rule]
-    else:
+    ``rule`` names one of :data:`RULES`, or, with ``own``, a method's own rule (FDSE's and
+    FedBasis' live in their ``strategies/<name>_math.py``; the method's YAML row names it as
+    ``"module:function"`` and ``common/methods.py`` loads it)."""
+    if own is None and rule not in RULES:
         raise ValueError(f"unknown parameter-role rule {rule!r}; valid: {', '.join(RULES)} "
                          "or a method's own rule as 'module:function'")
-    roles = apply(model)
+    roles = (own or RULES[rule])(model)
     bad = {k: r for k, r in roles.items() if r not in ROLES}
     if bad:
         raise ValueError(f"rule {rule!r} gave unknown roles {bad}")

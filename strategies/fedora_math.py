@@ -62,7 +62,7 @@ class FEDORAOptions(MethodOptions):
         check_choice("penalty", self.penalty, ("loss", "decoupled"))
         check_option(self.lambda_max is None or self.lambda_max == "auto"
                      or (isinstance(self.lambda_max, int | float) and not isinstance(self.lambda_max, bool)
-                     and math.isfinite(self.lambda_max) and self.lambda_max > 0),
+                         and math.isfinite(self.lambda_max) and self.lambda_max > 0),
                      f"strategy.lambda_max must be auto, a number > 0 or null (unbounded), got {self.lambda_max!r}")
         check_finite("alpha", self.alpha, 0.0, strict=True)
         check_choice("similarity", self.similarity, ("paper", "code"))
