@@ -78,8 +78,25 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
                                  None if serves_several(context.node_config, len(info.client_ids)) else context.state,
                                  checkpoint_every=run.checkpoint_every)
-        trainer = trainer_class(settings.strategy, cfg.strategy)(cfg)
+        trainer = trainer_for(cfg, settings.strategy)
     return trainer, rnd, store
+
+
+# A trainer holds its configuration, settings and checked options, nothing of a client, and
+# compose_config returns one object per run configuration: a process makes one trainer per
+# configuration, not one per message. Each entry keeps its configuration alive, so its id is
+# never another configuration's.
+_TRAINERS: dict[int, tuple[DictConfig, Any]] = {}
+
+
+def trainer_for(cfg: DictConfig, strategy: str) -> Any:
+    """This process' trainer of the composed configuration ``cfg`` (made on first use)."""
+    kept = _TRAINERS.get(id(cfg))
+    if kept is None or kept[0] is not cfg:
+        if len(_TRAINERS) >= 16:    # as many as compose_config keeps
+            _TRAINERS.clear()
+        kept = _TRAINERS[id(cfg)] = (cfg, trainer_class(strategy, cfg.strategy)(cfg))
+    return kept[1]
 
 
 def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:

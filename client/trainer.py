@@ -251,9 +251,21 @@ class ClientTrainer:
             else:   # the model before fine-tuning, flagged so: never a best-round candidate
                 out.update(_prefixed_eval(base, rnd, ""))
                 out[FINETUNED] = 0.0
+        elif self.personal_was_tested(references):
+            # FedAvg, FedProx: the personalised model is the global model just tested, the
+            # same weights and statistics (tested once: the same numbers, half the work)
+            out.update({key.removeprefix("global_"): value for key, value in out.items()
+                        if key.startswith("global_")})
         else:
             out.update(self.evaluate_personal(rnd, payload, state))
         return out
+
+    def personal_was_tested(self, references: Mapping[str, nn.Module]) -> bool:
+        """Whether the personalised model's numbers are the global reference's: it is the
+        global model (:meth:`personal_is_global`) and is tested as the base class tests it."""
+        glob = references.get("global_")
+        return (glob is not None and type(self).evaluate_personal is ClientTrainer.evaluate_personal
+                and self.personal_is_global(glob))
 
     def personal_is_global(self, model: nn.Module) -> bool:
         """Whether the personalised model is the server's model as sent (FedAvg, FedProx: the

@@ -147,12 +147,14 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
     later random draws (dropout) do not depend on whether the model came from the cache."""
     import torch
 
+    from learning.training import seed_torch
+
     key = json.dumps([_plain(cfg["model"]), _plain(cfg["strategy"]), int(cfg["seed"]),
                       list(input_shape), int(num_classes)], sort_keys=True, default=str)
     if key in _BUILT:
         template, last_seed, rng_after = _BUILT[key]
         _BUILT.move_to_end(key)
-        torch.manual_seed(last_seed)       # CUDA generators as building leaves them
+        seed_torch(last_seed)              # CUDA generators as building leaves them
         torch.set_rng_state(rng_after)     # CPU generator as building leaves it
         return copy.deepcopy(template)
 
@@ -163,7 +165,7 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
 
     def make(k: int) -> nn.Module:
         seeds.append(seed + 1000 * k)
-        torch.manual_seed(seeds[-1])
+        seed_torch(seeds[-1])
         return build_model(cfg["model"], input_shape, num_classes)
 
     row = method(str(cfg["strategy"]["name"]), cfg["strategy"])

@@ -20,6 +20,7 @@ from client.fedbasis import FedBasisTrainer
 from client.fedora import FEDORATrainer
 from client.trainer import ClientRound, ClientTrainer
 from common.config import ConfigError, compose_config
+from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
@@ -192,6 +193,37 @@ def test_the_global_model_of_fedavg_is_tested_as_the_server_holds_it() -> None:
     out = ClientTrainer(cfg).evaluate(rnd, payload, {})
     assert out["accuracy"] == evaluate(model, rnd.data.test, CPU, class_weights=rnd.data.class_weights)["accuracy"]
     assert not any(k.startswith(("own_bn_", "stored_bn_")) for k in out)
+
+
+@pytest.mark.parametrize(("strategy", "passes"), [("fedavg", 2), ("fedprox", 2), ("ditto", 4)])
+def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, passes: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """FedAvg's and FedProx's personalised model is the global model as sent: its numbers are
+    the global reference's, from one test and one validation pass (two passes, not four);
+    Ditto's (its own model) is another model, tested apart (here with its stored statistics)."""
+    import client.trainer as trainer_module
+
+    cfg = compose_config({"strategy": strategy}, ["eval_bn_statistics=stored", "eval_bn_compare=false"])
+    rnd = _round(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
+    payload = get_arrays(model)
+    trainer = trainer_class(strategy, cfg.strategy)(cfg)
+    assert isinstance(trainer, DittoTrainer if strategy == "ditto" else ClientTrainer)
+    state = trainer.fit(rnd, payload, {}).state
+    calls: list[int] = []
+    real = trainer_module.evaluate
+    monkeypatch.setattr(trainer_module, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = trainer.evaluate(rnd, payload, state)
+    assert len(calls) == passes
+    glob = {k: evaluate(model, split, CPU, class_weights=rnd.data.class_weights)[m]
+            for k, split, m in (("accuracy", rnd.data.test, "accuracy"), ("loss", rnd.data.test, "loss"),
+                                ("val_accuracy", rnd.data.val, "accuracy"), ("val_loss", rnd.data.val, "loss"))}
+    assert {k: out[f"global_{k}"] for k in glob} == glob   # the global reference, computed here apart
+    if passes == 2:
+        assert {k: out[k] for k in glob} == glob
+    else:
+        assert {k: out[k] for k in glob} != glob
 
 
 @pytest.mark.parametrize(("mode", "compare", "expected"), [

@@ -119,3 +119,16 @@ def test_fedprox_proximal_term_pulls_towards_the_global_model():
         return sum(float(np.sum((up[k].astype(np.float64) - payload[k]) ** 2)) for k in params)
 
     assert drift("fedprox", 5.0) < 0.5 * drift("fedavg", 0)
+
+
+def test_a_process_makes_one_trainer_per_configuration() -> None:
+    """A trainer holds nothing of a client, so the messages of one run share the process'
+    trainer of its configuration (made once, not per message); another configuration gets
+    its own, of its own method."""
+    from client.handlers import trainer_for
+
+    fedavg, ditto = compose_config({}, []), compose_config({"strategy": "ditto"}, [])
+    first = trainer_for(fedavg, "fedavg")
+    assert trainer_for(compose_config({}, []), "fedavg") is first and type(first) is ClientTrainer
+    other = trainer_for(ditto, "ditto")
+    assert isinstance(other, DittoTrainer) and other.cfg is ditto and first.cfg is fedavg

@@ -79,3 +79,17 @@ def test_in_memory_batches_are_exactly_the_dataloaders(n, batch, shuffle):
         assert len(a) == len(b)
         for (xa, ya), (xb, yb) in zip(a, b, strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_seed_torch_draws_as_torch_manual_seed_does() -> None:
+    """Seeding without queueing CUDA's seed (no accelerator here) gives the draws, and the
+    model initialisation, that ``torch.manual_seed`` gives."""
+    from learning.training import seed_torch
+
+    for seed in (0, 7, 2**40 + 3):
+        torch.manual_seed(seed)
+        expected = (torch.rand(5), torch.randn(3), torch.nn.Linear(4, 2).weight.detach().clone())
+        seed_torch(seed)
+        drawn = (torch.rand(5), torch.randn(3), torch.nn.Linear(4, 2).weight.detach().clone())
+        for a, b in zip(expected, drawn, strict=True):
+            assert torch.equal(a, b)
