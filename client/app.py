@@ -18,9 +18,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from client.identity import identify
+from common.flower_compat import engine_waits_for_messages
 from common.timing import process_age, profiled, timed_message, timing_enabled
 
 _AGE_AT_IMPORT = process_age()
+engine_waits_for_messages()   # in the simulation's process, before its engine starts (item 9)
 
 
 def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:

@@ -24,9 +24,9 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
 8. :func:`release_messages_of_stopped_runs`: a message whose run stops while the SuperNode
    receives it is dropped, not left as a task whose ClientApp waits for its arrays
    (``flwr/supernode/start_client_internal.py``).
-9. :func:`wait_for_a_store`: the simulation's hand-offs wake when a message is stored, not on
-   0.1 s timers (``flwr/server/superlink/fleet/vce/vce_api.py``: ``add_messages_to_queue``;
-   ``flwr/superlink/grid/inmemory_grid.py``: ``pull_interval``).
+9. :func:`wait_for_a_store`, :func:`engine_waits_for_messages`: the simulation's hand-offs wake
+   when a message is stored, not on 0.1 s timers (``flwr/server/superlink/fleet/vce/vce_api.py``:
+   ``add_messages_to_queue``; ``flwr/superlink/grid/inmemory_grid.py``: ``pull_interval``).
 10. :func:`log_refusals_as_one_line`: a run the ServerApp refuses (bad input, a run folder that
     holds another run) is logged as one line, not with Flower's traceback
     (``flwr/simulation/app.py``, ``flwr/superlink/runtime/run_serverapp.py``: ``log(ERROR, "%s
@@ -37,6 +37,7 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -72,11 +73,24 @@ def check_flower_version(installed: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------- 1. the server's grid
-try:
-    from flwr.superlink.grid.http_grid import HttpGrid
-    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-except ImportError:  # pragma: no cover - another Flower release; check_flower_version says so
-    HttpGrid = InMemoryGrid = None  # type: ignore[assignment,misc]
+@functools.cache
+def _grid_classes() -> tuple[Any, Any]:
+    """Flower's ``HttpGrid`` and ``InMemoryGrid`` (None, None on another release), imported on first
+    use: their imports take about a second, which a ClientApp process (it imports this module
+    for item 9) does not need."""
+    try:
+        from flwr.superlink.grid.http_grid import HttpGrid
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError:  # pragma: no cover - another Flower release; check_flower_version says so
+        return None, None
+    return HttpGrid, InMemoryGrid
+
+
+def __getattr__(name: str) -> Any:
+    """``HttpGrid`` and ``InMemoryGrid`` as attributes of this module (imported on first use)."""
+    if name in ("HttpGrid", "InMemoryGrid"):
+        return _grid_classes()[name == "InMemoryGrid"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLink
 
@@ -84,7 +98,8 @@ REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLin
 def is_deployment_grid(grid: Any) -> bool:
     """A deployment's grid (its nodes are separate machines, one client each); otherwise the
     simulation's grid (or a test's), whose nodes may serve several clients."""
-    return HttpGrid is not None and isinstance(grid, HttpGrid)
+    http_grid = _grid_classes()[0]
+    return http_grid is not None and isinstance(grid, http_grid)
 
 
 def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
@@ -104,7 +119,8 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     arrival order."""
     keep = on_reply if on_reply is not None else (lambda message: message)
     deployment = is_deployment_grid(grid)
-    simulation = InMemoryGrid is not None and isinstance(grid, InMemoryGrid)
+    in_memory_grid = _grid_classes()[1]
+    simulation = in_memory_grid is not None and isinstance(grid, in_memory_grid)
     polled = deployment or simulation or (on_reply is not None and hasattr(grid, "push_messages")
                                           and hasattr(grid, "pull_messages"))
     if not polled:
@@ -327,12 +343,14 @@ _INDEX = "_pflower_undelivered"
 STORE_WAIT_S = 0.1
 _STORED = threading.Condition()
 _stores = 0
+_instructions = 0   # of the stores, the messages to clients (the rest are their replies)
 
 
-def _note_a_store() -> None:
-    global _stores
+def _note_a_store(instruction: bool = False) -> None:
+    global _stores, _instructions
     with _STORED:
         _stores += 1
+        _instructions += instruction
         _STORED.notify_all()
 
 
@@ -346,6 +364,64 @@ def wait_for_a_store(seen: int, timeout: float | None = None) -> bool:
     (``STORE_WAIT_S`` by default); True if one was."""
     with _STORED:
         return _STORED.wait_for(lambda: _stores != seen, STORE_WAIT_S if timeout is None else timeout)
+
+
+def instructions_seen() -> int:
+    """How many messages to clients this process' in-memory LinkState has stored."""
+    return _instructions
+
+
+def wait_for_an_instruction(seen: int, timeout: float | None = None) -> bool:
+    """Block until a message to a client is stored after ``seen`` (:func:`instructions_seen`),
+    or ``timeout`` s (``STORE_WAIT_S`` by default); a reply stored meanwhile does not end the
+    wait. True if one was."""
+    with _STORED:
+        return _STORED.wait_for(lambda: _instructions != seen, STORE_WAIT_S if timeout is None else timeout)
+
+
+# The engine's pass over the nodes (vce_api.add_messages_to_queue) ends with ``f_stop.wait(0.1)``
+# whatever it found. The wait above, at the pass' first node, ends at any store, a client's reply
+# too, so the pass that a reply woke then slept 0.1 s: a round pushed by the server during that
+# sleep (its last reply wakes the pass, then the server aggregates and pushes at once) waited
+# for the rest of it. Measured with bench/handoff.py (an echo ClientApp, 8 nodes): 0.099 s a
+# round, the sleep's length. The replacement goes on at once while a pass delivered messages
+# (a node gets one a pass) and otherwise waits for the next message to a client, bounded by
+# STORE_WAIT_S so that ``f_stop`` is seen as before.
+def _add_messages_to_queue(state: Any, queue: Any, nodes_mapping: Any, f_stop: threading.Event) -> None:
+    """Flower's ``add_messages_to_queue`` (same arguments, same messages in the same order),
+    without its fixed sleep between passes."""
+    while not f_stop.is_set():
+        seen = instructions_seen()
+        delivered = 0
+        for node_id in nodes_mapping.keys():
+            for msg in state.get_message_ins(node_id=node_id, limit=1):
+                queue.put(msg)
+                delivered += 1
+        if not delivered and not f_stop.is_set():
+            wait_for_an_instruction(seen)
+
+
+def engine_waits_for_messages() -> bool:
+    """Install :func:`_add_messages_to_queue` as the simulation engine's pass loop, where the
+    engine is loaded in this process and has not started it yet (the engine loads the
+    ClientApp, ``client/app.py``, before it starts its threads: that import calls this). False
+    where there is no engine here, or its loop is not the one this replaces."""
+    import inspect
+    import sys
+
+    vce = sys.modules.get("flwr.server.superlink.fleet.vce.vce_api")
+    loop = getattr(vce, "add_messages_to_queue", None)
+    if loop is None:
+        return False
+    if loop is _add_messages_to_queue:
+        return True
+    if list(inspect.signature(loop).parameters) != ["state", "queue", "nodes_mapping", "f_stop"]:
+        from flwr.common.logger import log
+
+        log(WARNING, "pflower: this Flower's simulation engine changed; keeping its message loop")
+        return False
+    vce.add_messages_to_queue = _add_messages_to_queue   # type: ignore[union-attr]
+    return True
 
 
 def _undelivered_index(state: Any) -> dict[int, list[str]]:
@@ -386,7 +462,7 @@ def index_undelivered_messages() -> bool:
                 ids = index.setdefault(message.metadata.dst_node_id, [])
                 if str(msg_id) not in ids:
                     ids.append(str(msg_id))
-            _note_a_store()
+            _note_a_store(instruction=True)
         return msg_id
 
     def store_message_res(self: Any, message: Any) -> Any:

@@ -125,6 +125,67 @@ def test_the_simulations_hand_off_wakes_when_a_message_is_stored(monkeypatch: py
     threading.Timer(0.2, flower_compat._note_a_store).start()
     assert flower_compat.wait_for_a_store(seen) and flower_compat.stores_seen() == seen + 1
 
+def test_the_engines_pass_loop_goes_on_while_it_delivers_and_waits_for_a_message_to_a_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 9: pflower's pass loop gives every node its messages in Flower's order (one a node
+    a pass), passes again at once while it delivered some, and otherwise waits for the next
+    message to a client: a reply stored meanwhile does not end the wait (Flower's loop slept
+    0.1 s after every pass, so a round pushed during that sleep waited). It replaces the
+    engine's loop only where the engine is loaded and its loop has Flower's arguments."""
+    import queue
+    import sys
+    import threading
+    from types import ModuleType
+
+    monkeypatch.setattr(flower_compat, "STORE_WAIT_S", 30.0)   # a missed wake-up would show as 30 s
+    pending = {1: ["a1", "a2"], 2: ["b1"], 3: []}
+    passes: list[int] = []
+
+    class State:
+        def get_message_ins(self, node_id: int, limit: int) -> list[str]:
+            if node_id == 1:
+                passes.append(1)
+            taken, pending[node_id][:limit] = pending[node_id][:limit], []
+            if node_id == 3 and len(passes) == 3:   # the third pass found nothing: stop after it
+                f_stop.set()
+            return taken
+
+    delivered: queue.Queue[str] = queue.Queue()
+    f_stop = threading.Event()
+    flower_compat._add_messages_to_queue(State(), delivered, {1: 0, 2: 1, 3: 2}, f_stop)
+    assert [delivered.get_nowait() for _ in range(3)] == ["a1", "b1", "a2"] and len(passes) == 3
+
+    seen = flower_compat.instructions_seen()
+    threading.Timer(0.1, flower_compat._note_a_store).start()              # a reply: no wake-up
+    assert not flower_compat.wait_for_an_instruction(seen, timeout=1.0)
+    threading.Timer(0.1, flower_compat._note_a_store, kwargs={"instruction": True}).start()
+    assert flower_compat.wait_for_an_instruction(seen) and flower_compat.instructions_seen() == seen + 1
+
+    engine = ModuleType("flwr.server.superlink.fleet.vce.vce_api")
+    monkeypatch.setitem(sys.modules, engine.__name__, engine)
+    assert not flower_compat.engine_waits_for_messages()                   # no loop to replace
+    engine.add_messages_to_queue = lambda state, queue, f_stop: None       # type: ignore[attr-defined]
+    assert not flower_compat.engine_waits_for_messages()                   # another loop: kept
+    engine.add_messages_to_queue = lambda state, queue, nodes_mapping, f_stop: None  # type: ignore[attr-defined]
+    assert flower_compat.engine_waits_for_messages() and flower_compat.engine_waits_for_messages()
+    assert engine.add_messages_to_queue is flower_compat._add_messages_to_queue  # type: ignore[attr-defined]
+    monkeypatch.delitem(sys.modules, engine.__name__)
+    assert not flower_compat.engine_waits_for_messages()
+
+
+def test_the_simulation_process_loads_the_clientapp_before_its_engine_starts_the_loop() -> None:
+    """``client/app.py`` installs the loop when it is imported: Flower's engine loads the
+    ClientApp (``_load``, "Test if ClientApp can be loaded") before ``run_api`` starts the
+    thread that runs ``add_messages_to_queue``, so the thread runs pflower's loop."""
+    import inspect
+
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    source = inspect.getsource(vce_api.start_vce)
+    assert source.index("client_app = app_fn()") < source.index("run_api(")
+    assert "target=add_messages_to_queue" in inspect.getsource(vce_api.run_api)   # looked up at start
+
+
 def _receive_a_message_of_a_run_that_stops(loop: object) -> tuple[int, list[str]]:
     """Flower's SuperNode step ``_pull_and_store_message`` on a real in-memory NodeState, for
     a message of a run the SuperLink stops while its arrays are pulled: (messages left in
