@@ -15,9 +15,12 @@ this process with one Ray actor per CPU, as ``pflower run`` does on this machine
 ``--flower-loop`` keeps the engine's own pass loop (a 0.1 s sleep after each pass) instead of
 pflower's (``engine_waits_for_messages``, which ``client/app.py`` installs in a simulation).
 
-Prints one JSON line: seconds per round (the median of rounds 2 on) and the workers' time
-per message, ``workers x round / messages``, the quantity ``bench.message_parts`` gives as a
-simulated message's time outside its handler.
+Prints one JSON line: seconds per round (the median of rounds 2 on), the workers' time per
+message, ``workers x round / messages`` (the quantity ``bench.message_parts`` gives as a
+simulated message's time outside its handler), and the start-up as ``bench.run`` (a) counts
+it: from this process' start to the end of the first round less one round, i.e. Python,
+Flower, Ray and its actors, in one process (``pflower run`` adds ``flwr run``, a SuperLink and
+the simulation's own process).
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from common.flower_compat import (
     index_undelivered_messages,
     send_and_receive,
 )
+from common.timing import process_age
 
 ARGS = argparse.Namespace(nodes=36, kb=436, rounds=12, flower_loop=False)
 ROUND_S: list[float] = []
+FIRST_ROUND_END: list[float] = []   # the process' age when the first round ended
 
 client_app = ClientApp()
 
@@ -73,6 +78,8 @@ def rounds(grid: Grid, context: Context) -> None:
         if len(replies) != ARGS.nodes or any(r.has_error() for r in replies):
             raise RuntimeError(f"{len(replies)} of {len(nodes)} replies, or an error among them")
         ROUND_S.append(time.perf_counter() - start)
+        if not FIRST_ROUND_END:
+            FIRST_ROUND_END.append(process_age())
 
 
 def main() -> None:
@@ -95,7 +102,7 @@ def main() -> None:
     round_s = statistics.median(ROUND_S[1:])
     print(json.dumps({"nodes": ARGS.nodes, "kb": ARGS.kb, "rounds": ARGS.rounds, "workers": workers,
                       "loop": "flower" if ARGS.flower_loop else "pflower",
-                      "round_s": round(round_s, 4),
+                      "round_s": round(round_s, 4), "start_up_s": round(FIRST_ROUND_END[0] - round_s, 1),
                       "worker_ms_per_message": round(1000 * workers * round_s / ARGS.nodes, 2)}), flush=True)
 
 

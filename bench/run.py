@@ -130,13 +130,14 @@ def bench_engine(settings: list[tuple[int, int]], timeout: float = 600) -> str:
                              capture_output=True, text=True, timeout=timeout, env=ENV)
         lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode != 0 or not lines:
-            rows.append(f"| {nodes} | {kb} | failed: {out.stderr.strip().splitlines()[-1:]} | |")
+            rows.append(f"| {nodes} | {kb} | failed: {out.stderr.strip().splitlines()[-1:]} | | |")
             continue
         r = lines[-1]
-        rows.append(f"| {nodes} | {kb} | {r['round_s']:.3f} | {r['worker_ms_per_message']:.1f} |")
+        rows.append(f"| {nodes} | {kb} | {r['round_s']:.3f} | {r['worker_ms_per_message']:.1f} | {r['start_up_s']:.1f} |")
     return "\n".join(["An echo ClientApp on Flower's simulation engine with pflower's pass loop and message store, "
                       "one message of KB kilobytes per node and round, median of rounds 2-12.", "",
-                      "| nodes | KB a message | s a round | worker ms per message |", "|---|---|---|---|", *rows])
+                      "| nodes | KB a message | s a round | worker ms per message | start-up to round 1, s |",
+                      "|---|---|---|---|---|", *rows])
 
 
 # the settings of (a): the default run, and FEDORA's 36 clients of an MLP, 10 degrees apart, on
