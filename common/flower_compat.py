@@ -92,6 +92,7 @@ def __getattr__(name: str) -> Any:
         return _grid_classes()[name == "InMemoryGrid"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLink
 
 
