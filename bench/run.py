@@ -126,11 +126,16 @@ def bench_engine(settings: list[tuple[int, int]], timeout: float = 600) -> str:
     handler" above. Each line from its own process (a Ray instance each)."""
     rows = []
     for nodes, kb in settings:
-        out = subprocess.run([sys.executable, "-m", "bench.handoff", "--nodes", str(nodes), "--kb", str(kb)],
-                             capture_output=True, text=True, timeout=timeout, env=ENV)
+        try:
+            out = subprocess.run([sys.executable, "-m", "bench.handoff", "--nodes", str(nodes), "--kb", str(kb)],
+                                 capture_output=True, text=True, timeout=timeout, env=ENV)
+        except subprocess.TimeoutExpired:
+            rows.append(f"| {nodes} | {kb} | did not finish in {timeout:.0f} s | | |")
+            continue
         lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode != 0 or not lines:
-            rows.append(f"| {nodes} | {kb} | failed: {out.stderr.strip().splitlines()[-1:]} | | |")
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1].replace("|", "/")
+            rows.append(f"| {nodes} | {kb} | failed: {last} | | |")
             continue
         r = lines[-1]
         rows.append(f"| {nodes} | {kb} | {r['round_s']:.3f} | {r['worker_ms_per_message']:.1f} | {r['start_up_s']:.1f} |")

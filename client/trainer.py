@@ -262,10 +262,11 @@ class ClientTrainer:
 
     def personal_was_tested(self, references: Mapping[str, nn.Module]) -> bool:
         """Whether the personalised model's numbers are the global reference's: it is the
-        global model (:meth:`personal_is_global`) and is tested as the base class tests it."""
+        global model (:meth:`personal_is_global`), built and tested as the base class builds
+        and tests it (a trainer that changes any of those steps is tested apart)."""
         glob = references.get("global_")
-        return (glob is not None and type(self).evaluate_personal is ClientTrainer.evaluate_personal
-                and self.personal_is_global(glob))
+        same_steps = all(getattr(type(self), step) is getattr(ClientTrainer, step) for step in _PERSONAL_STEPS)
+        return glob is not None and same_steps and self.personal_is_global(glob)
 
     def personal_is_global(self, model: nn.Module) -> bool:
         """Whether the personalised model is the server's model as sent (FedAvg, FedProx: the
@@ -355,6 +356,12 @@ def step_lr_scale(server_round: int, total_rounds: int, milestones: list[float],
         raise ValueError(f"train.lr_milestones must be fractions of the rounds in (0, 1), got {bad}")
     steps = {int(float(m) * total_rounds) for m in milestones}  # coinciding milestones decay once
     return float(gamma) ** sum(1 for s in steps if server_round > s >= 1)
+
+
+# the steps that make and test a personalised model: a trainer whose steps are all the base
+# class' tests the same model as its global reference (ClientTrainer.personal_was_tested)
+_PERSONAL_STEPS = ("evaluate_personal", "personal_model", "load_model", "new_model", "bn_protocols",
+                   "with_own_bn_statistics", "reference_models")
 
 
 def _prefixed_eval(model: nn.Module, rnd: ClientRound, prefix: str) -> dict[str, float]:

@@ -340,7 +340,9 @@ _INDEX = "_pflower_undelivered"
 # state now notifies one condition; the engine's pass waits on it before its first node when no
 # message is undelivered (so a pushed round starts at once), and the ServerApp's pull waits on
 # it between pulls (so a reply is read as soon as it is stored). Each wait still ends after
-# STORE_WAIT_S, so a missed notification costs what Flower's timer cost before.
+# STORE_WAIT_S, so a missed notification costs what Flower's timer cost before. Where the
+# engine's loop is pflower's (engine_waits_for_messages, below), the pass no longer sleeps
+# after itself either; the first node's wait then only adds a bounded wait to an idle pass.
 STORE_WAIT_S = 0.1
 _STORED = threading.Condition()
 _stores = 0

@@ -135,6 +135,7 @@ def test_the_engines_pass_loop_goes_on_while_it_delivers_and_waits_for_a_message
     import queue
     import sys
     import threading
+    import time
     from types import ModuleType
 
     monkeypatch.setattr(flower_compat, "STORE_WAIT_S", 30.0)   # a missed wake-up would show as 30 s
@@ -152,7 +153,9 @@ def test_the_engines_pass_loop_goes_on_while_it_delivers_and_waits_for_a_message
 
     delivered: queue.Queue[str] = queue.Queue()
     f_stop = threading.Event()
+    t0 = time.monotonic()
     flower_compat._add_messages_to_queue(State(), delivered, {1: 0, 2: 1, 3: 2}, f_stop)
+    assert time.monotonic() - t0 < 10            # no wait after a pass that delivered messages
     assert [delivered.get_nowait() for _ in range(3)] == ["a1", "b1", "a2"] and len(passes) == 3
 
     seen = flower_compat.instructions_seen()
