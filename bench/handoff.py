@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ARGS.rounds)
     ap.add_argument("--flower-loop", action="store_true", help="keep the engine's own pass loop")
     ap.parse_args(namespace=ARGS)
+    if ARGS.nodes < 1 or ARGS.kb < 1 or ARGS.rounds < 2:
+        ap.error(f"--nodes and --kb must be >= 1 and --rounds >= 2 (the median is of rounds 2 on), got "
+                 f"{ARGS.nodes}, {ARGS.kb}, {ARGS.rounds}")
     if not ARGS.flower_loop:
         import flwr.server.superlink.fleet.vce.vce_api  # noqa: F401  (the engine, loaded as run_simulation loads it)
 
