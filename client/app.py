@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from client.identity import identify
+from common.bundles import run_bundle
 from common.flower_compat import engine_waits_for_messages
 from common.timing import process_age, profiled, timed_message, timing_enabled
 
@@ -43,9 +44,11 @@ def timing_mod(msg: Message, context: Context, call_next: Any) -> Message:
 
 
 def _mods() -> list[Any]:
-    """``timing_mod`` with ``PFLOWER_TIMING`` (``1`` or a folder); the tests' fault injection when they set
+    """``run_bundle`` first: a bundle of several clients' messages (``common/bundles.py``) goes
+    through the other mods and the handlers one message at a time. ``timing_mod`` with
+    ``PFLOWER_TIMING`` (``1`` or a folder); the tests' fault injection when they set
     ``PFLOWER_FAULTS`` (``client/faults.py``; never part of a run's configuration)."""
-    mods: list[Any] = [timing_mod] if timing_enabled() else []
+    mods: list[Any] = [run_bundle] + ([timing_mod] if timing_enabled() else [])
     if os.environ.get("PFLOWER_FAULTS"):
         from client.faults import fault_injection_mod
 

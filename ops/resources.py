@@ -28,6 +28,13 @@ def gpu_share(num_clients: int, gpus: int, cpus: int, cpus_per_client: float) ->
     return 1.0 / per_gpu
 
 
+def visible_gpus() -> int:
+    """The CUDA GPUs torch sees on this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def cpus_per_run(jobs: int) -> int:
     """The CPUs each of ``jobs`` runs at once may use: an equal share of this machine's.
 
@@ -51,10 +58,8 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
                           "give the run more CPUs rather than each client less)")
     if ray_address != "local":
         return
-    import torch
-
     cpus = os.cpu_count() or 1
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     if num_cpus <= 0:
         raise ConfigError(f"--num-cpus {number_text(num_cpus)}: each simulated client needs a positive CPU share "
                           "(e.g. --num-cpus 1)")
@@ -81,7 +86,7 @@ def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None
     ``device=cuda`` without CUDA, or with ``--num-gpus 0``, is refused before anything starts."""
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     device = run_settings(cfg).run.device
     if device.startswith("cuda") and gpus == 0:
         raise ConfigError(f"device={device} but this machine has no CUDA GPU (torch "
@@ -118,11 +123,27 @@ def use_ray_cluster(address: str | None) -> str:
     return chosen
 
 
-def simulation_config(num_clients: int, num_cpus: float, num_gpus: float, ray_cpus: int | None) -> str:
-    """Flower's ``--federation-config`` of a simulation: one SuperNode per client, each
-    client's Ray resources, and (``ray_cpus``) the CPUs the run's private Ray instance
-    may use, all of the machine's when None."""
-    config = (f"num-supernodes={num_clients} client-resources-num-cpus={number_text(num_cpus)} "
+def simulated_nodes(num_clients: int, num_cpus: float, num_gpus: float, cpus: int, gpus: int) -> int:
+    """How many SuperNodes a simulation on one machine gets: as many as clients can run at
+    once (its ``cpus`` over each client's ``num_cpus``, its ``gpus`` over each client's
+    ``num_gpus``), at most one per client. Each node serves the clients ``c mod N = p``
+    (``client/identity.py``) and gets their messages of an exchange in a few bundles
+    (``common/bundles.py``): Flower's engine pays about 10 ms of a worker's time per message
+    whatever it carries, so 36 clients on 2 nodes cost 4 hand-offs a round, not 36
+    (docs/benchmarks.md (a))."""
+    at_once = max(1, int(cpus // max(num_cpus, 1e-9)))
+    if num_gpus > 0:
+        at_once = min(at_once, max(1, int(round(gpus / num_gpus, 6))))
+    return max(1, min(num_clients, at_once))
+
+
+def simulation_config(num_clients: int, num_cpus: float, num_gpus: float, ray_cpus: int | None,
+                      num_nodes: int | None = None) -> str:
+    """Flower's ``--federation-config`` of a simulation: ``num_nodes`` SuperNodes (one per
+    client when None: a Ray cluster's size is not known here), each client's Ray resources,
+    and (``ray_cpus``) the CPUs the run's private Ray instance may use, all of the machine's
+    when None."""
+    config = (f"num-supernodes={num_nodes or num_clients} client-resources-num-cpus={number_text(num_cpus)} "
               f"client-resources-num-gpus={number_text(num_gpus)}")
     return config + (f" init-args-num-cpus={ray_cpus}" if ray_cpus is not None else "")
 

@@ -31,8 +31,10 @@ from ops.resources import (
     check_client_resources,
     number_text,
     resolve_gpu_share,
+    simulated_nodes,
     simulation_config,
     use_ray_cluster,
+    visible_gpus,
 )
 
 EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
@@ -230,8 +232,10 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     run_dir = settings.run.run_dir
     summary = run_dir / "summary.json"
     started = time.time()
-    federation = simulation_config(n, options.num_cpus, num_gpus,
-                                   ray_cpus if ray_address == "local" else None)
+    local = ray_address == "local"
+    federation = simulation_config(n, options.num_cpus, num_gpus, ray_cpus if local else None,
+                                   simulated_nodes(n, options.num_cpus, num_gpus, ray_cpus or os.cpu_count() or 1,
+                                                   visible_gpus()) if local else None)
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
           + (f" ({number_text(num_gpus)} GPU per client)" if num_gpus else "")
           + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +76,50 @@ class FakeGrid:
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             self.sent.append(msg)
-            cid = self.client_of[msg.metadata.dst_node_id]
-            if msg.metadata.message_type == MessageType.QUERY:
-                size = {} if self.num_partitions is None else {NUM_PARTITIONS: float(self.num_partitions)}
-                out.append(make_reply(msg, {}, size, cid, 0))
-                continue
-            target = self.target_of(msg)
-            if not serves(self.node_config(msg.metadata.dst_node_id), target):
-                out.append(Message(Error(code=0, reason=f"node {cid} does not serve client {target}"),
-                                   reply_to=msg))
-                continue
-            reply = self.handler(target, msg) if self.handler is not None else None
+            reply = self.answer(msg)
             if reply is not None:
                 out.append(reply)
         return out
+
+    def answer(self, msg: Message) -> Message | None:
+        """What the node ``msg`` is for answers (None = no reply)."""
+        cid = self.client_of[msg.metadata.dst_node_id]
+        if msg.metadata.message_type == MessageType.QUERY:
+            size = {} if self.num_partitions is None else {NUM_PARTITIONS: float(self.num_partitions)}
+            return make_reply(msg, {}, size, cid, 0)
+        target = self.target_of(msg)
+        if not serves(self.node_config(msg.metadata.dst_node_id), target):
+            return Message(Error(code=0, reason=f"node {cid} does not serve client {target}"), reply_to=msg)
+        return self.handler(target, msg) if self.handler is not None else None
+
+
+class BundlingGrid(FakeGrid):
+    """A :class:`FakeGrid` that pushes and pulls as the simulation's grid does and, like it,
+    gets several messages to one node as bundles (``common/bundles.py``), which its nodes run
+    through the ClientApp's bundle mod. ``pushed`` keeps what actually travelled."""
+
+    bundles_messages = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pushed: list[Message] = []
+        self._replies: dict[str, Message] = {}
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        from common.bundles import run_bundle
+
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.pushed.append(msg)
+            reply = run_bundle(msg, None, lambda m, _: self.answer(m))   # type: ignore[arg-type, return-value]
+            if reply is not None:
+                self._replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
 
 
 def received(train: TrainRound, grid: FakeGrid, timeout: float = 5.0) -> TrainRound:
