@@ -241,15 +241,29 @@ def load_client_data(dataset_cfg: Mapping[str, Any], seed: int, client_id: str,
     return split, info_of(data)
 
 
+def cache_holds(dataset_cfg: Mapping[str, Any], seed: int, cache_dir: Path | None) -> bool:
+    """Whether the cache holds this config's splits (written by :func:`fill_cache`, so the
+    config built without error). A client whose file turns out damaged rebuilds the dataset
+    itself (:func:`load_client_data`)."""
+    if cache_dir is None:
+        return False
+    folder = Path(cache_dir) / cache_key(dataset_cfg, seed)
+    try:
+        raw = json.loads((folder / "info.json").read_text())
+        client_ids = [*raw["client_ids"], *raw["new_client_ids"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((folder / f"{cid}.npz").is_file() for cid in client_ids)
+
+
 def fill_cache(dataset_cfg: Mapping[str, Any], seed: int, cache_dir: Path | None) -> FederatedData:
     """Build the dataset (every split: a bad config fails here) and fill the cache unless
     it already holds this config, so that no client process has to build it."""
     data = load_federated_data(dataset_cfg, seed)
-    if cache_dir is not None:
+    if cache_dir is not None and not cache_holds(dataset_cfg, seed, cache_dir):
         folder = Path(cache_dir) / cache_key(dataset_cfg, seed)
-        if not (folder / "info.json").is_file():
-            try:
-                write_cache(data, folder)
-            except OSError as err:
-                log.warning("cannot write the data cache %s (%s); set data_cache=off to skip it", folder, err)
+        try:
+            write_cache(data, folder)
+        except OSError as err:
+            log.warning("cannot write the data cache %s (%s); set data_cache=off to skip it", folder, err)
     return data

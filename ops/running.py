@@ -81,7 +81,7 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
     the config, the dataset (the whole image tree for image folders: missing or empty
     folders, nested folders, unreadable images, too few images for the split), and the run
     folder (another run's results, or a live run writing it)."""
-    from learning.data_cache import fill_cache, resolve_cache_dir
+    from learning.data_cache import cache_holds, fill_cache, resolve_cache_dir
     from learning.sources import image_tree_problems
     from ops.recovery import expand_resume
     from server.run_folder import RunFolderError, check_run_folder, finished_summary, lock_is_held
@@ -99,8 +99,11 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
         if problems:
             raise DatasetError(f"dataset {dataset.name!r}: the image-folder tree has problems:\n  - "
                                + "\n  - ".join(problems))
-    # builds every split (fails here, not in a client) and caches them for the clients
-    fill_cache(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
+    # builds every split (fails here, not in a client) and caches them for the clients; a config
+    # the cache holds was built before (the build and its imports were 5 s of a run's start-up)
+    cache_dir = resolve_cache_dir(run.data_cache)
+    if not cache_holds(cfg.dataset, run.seed, cache_dir):
+        fill_cache(cfg.dataset, run.seed, cache_dir)
     if run.resume:
         run_cfg, rest = resume_overrides(cfg, run_cfg, rest)
     run_dir = run.run_dir
