@@ -90,7 +90,7 @@ def _per_round(walls: list[float]) -> float:
     return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
 
 
-def bench_loop(rounds: int, overrides: list[str], timeout: float = 900) -> tuple[str, MessageParts]:
+def bench_loop(rounds: int, overrides: list[str], timeout: float = 900, target: float = 1.3) -> tuple[str, MessageParts]:
     """The plain loop and ``pflower run`` on the same work, one after the other (each given
     ``timeout`` seconds, the run a third more); the run with ``PFLOWER_TIMING`` so that its
     client messages' parts come back too."""
@@ -114,7 +114,7 @@ def bench_loop(rounds: int, overrides: list[str], timeout: float = 900) -> tuple
         "",
         "| | plain loop | pflower run (simulation) | ratio (target) |",
         "|---|---|---|---|",
-        f"| seconds per round | {plain_round:.3f} | {sim_round:.3f} | {sim_round / plain_round:.2f}x (<= 1.3x) |",
+        f"| seconds per round | {plain_round:.3f} | {sim_round:.3f} | {sim_round / plain_round:.2f}x (<= {target:g}x) |",
         f"| start-up to round 1, s | {plain_start:.1f} | {sim_start:.1f} | {sim_start / plain_start:.2f}x (<= 2x) |",
     ])
     return table, parts
@@ -155,6 +155,9 @@ LOOP_SETTINGS = {
         "experiment=fedora-mnist5k-rotated", "strategy=fedavg", "dataset.samples_per_client=128",
         "dataset.domains=[" + ",".join(f"rotate-{a}" for a in range(0, 360, 10)) + "]"],
 }
+# the issue's targets for the simulated round against the plain loop's: 1.3x at 8 clients, 1.5x
+# at the papers' client counts
+RATIO_TARGETS = {"8 clients, cnn (default)": 1.3}
 # and, without --quick, FedBABU's 100 clients of its 4-layer CNN on CIFAR-100-shaped images
 # (generated: no CIFAR-100 here), shard split, 120 images a client where the paper has 600
 # (both sides generate each image on every read, the same work, which the ratio includes);
@@ -416,7 +419,8 @@ def main() -> None:
         for label, overrides in settings.items():
             paper = label in PAPER_LOOP_SETTINGS
             rounds = 5 if args.quick else PAPER_LOOP_ROUNDS if paper else 20
-            table, parts[label] = bench_loop(rounds, [*overrides, *args.set], timeout=3600 if paper else 900)
+            table, parts[label] = bench_loop(rounds, [*overrides, *args.set], timeout=3600 if paper else 900,
+                                             target=RATIO_TARGETS.get(label, 1.5))
             print(f"### {label}\n\n{table}\n", flush=True)
         print("### Where a client message's time goes (rounds 2 on; bench/message_parts.py)\n\n"
               + markdown(parts) + "\n", flush=True)
