@@ -10,10 +10,14 @@ the plain PyTorch loop spends 0.37 s in all (``python -m bench.handoff``, docs/b
 is run by the same handler with the same content, its reply (or its error) is the reply the
 strategy would have got, addressed to the message the strategy built for that client.
 
-What does change: a bundle is delivered, run and answered as one, so a round's timeout
-drops a bundle's clients together, and a client slower than the rest delays the others of
-its bundle (a deployment's nodes serve one client each and are never bundled). An exception
-in one client's handler is that client's error reply; the others of its bundle still answer.
+What does change: a bundle is delivered, run and answered as one. A round's timeout counts a
+bundle's clients all or nothing, a client slower than the rest delays the others of its bundle,
+and an actor that dies (out of memory, say) takes the whole bundle (a deployment's nodes serve
+one client each and are never bundled). An exception in one client's handler is that client's
+error reply, logged with its traceback; the others of its bundle still answer. Bundles are
+therefore small: at most ``MAX_BUNDLE_CLIENTS`` clients and ``MAX_BUNDLE_BYTES`` of arrays (a
+bundle's reply holds every client's upload at once; where one upload is that large, the fixed
+cost per message no longer matters), split evenly.
 
 The content travels as the bundled messages' records under ``"<i>/<key>"`` keys, in the
 order the messages were given, with :data:`BUNDLE_KEY` saying how many; no array is copied.
@@ -23,34 +27,62 @@ from __future__ import annotations
 
 import copy
 import math
-import uuid
+import traceback
 from collections.abc import Callable, Sequence
+from logging import ERROR
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
-from flwr.clientapp.client_app import ClientAppException
-from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
+
+from common.flower_compat import (
+    CLIENT_APP_RAISED_EXCEPTION,
+    engine_error_reason,
+    expires_at,
+    give_message_id,
+)
 
 BUNDLE_KEY = "pflower.bundle"    # config record of a bundle (and of its reply): {"size": n}
 ERROR_KEY = "pflower.error"      # in a bundle's reply, one message's error: {"code", "reason"}
 BUNDLES_PER_NODE = 2             # bundles per node and exchange: while one runs, the next is queued
+MAX_BUNDLE_CLIENTS = 10          # a bundle answers when its last client is done (timeouts, see above)
+MAX_BUNDLE_BYTES = 64 * 2**20    # arrays a bundle may carry, counted as its largest message's times its size
 
 
-def bundle_size(num_messages: int, num_nodes: int) -> int:
-    """Clients per bundle: an exchange's messages over ``BUNDLES_PER_NODE`` bundles per node
-    (rounded up), so that every simulated worker has a bundle to run and one queued."""
+def message_bytes(msg: Message) -> int:
+    """The bytes of a message's arrays."""
+    return sum(len(array.data) for record in msg.content.array_records.values() for array in record.values())
+
+
+def bundle_size(num_messages: int, num_nodes: int, largest_bytes: int = 0) -> int:
+    """Clients per bundle at most: an exchange's messages over ``BUNDLES_PER_NODE`` bundles per
+    node (rounded up), so that every simulated worker has a bundle to run and one queued; no
+    more than ``MAX_BUNDLE_CLIENTS``, nor than ``MAX_BUNDLE_BYTES`` of messages of
+    ``largest_bytes``."""
     if num_messages <= num_nodes:
         return 1
-    return max(1, math.ceil(num_messages / (BUNDLES_PER_NODE * max(num_nodes, 1))))
+    by_count = math.ceil(num_messages / (BUNDLES_PER_NODE * max(num_nodes, 1)))
+    by_bytes = MAX_BUNDLE_BYTES // max(largest_bytes, 1)
+    return max(1, min(by_count, MAX_BUNDLE_CLIENTS, by_bytes))
 
 
 def group_for_bundles(messages: Sequence[Message], size: int) -> list[list[Message]]:
-    """The messages in groups of at most ``size`` with the same node and type, in the order
-    given (a group of one is sent as it is)."""
+    """The messages in groups with the same node and type, in the order given, each node's
+    split into as few groups of at most ``size`` as it takes, of sizes that differ by one at
+    most (a group of one is sent as it is)."""
     by_node: dict[tuple[int, str], list[Message]] = {}
     for msg in messages:
         by_node.setdefault((msg.metadata.dst_node_id, msg.metadata.message_type), []).append(msg)
-    return [group[i:i + size] for group in by_node.values() for i in range(0, len(group), max(size, 1))]
+    groups = []
+    for group in by_node.values():
+        parts = math.ceil(len(group) / max(size, 1))
+        small, extra = divmod(len(group), parts)
+        start = 0
+        for i in range(parts):
+            end = start + small + (i < extra)
+            groups.append(group[start:end])
+            start = end
+    return groups
 
 
 def _prefixed(index: int, key: str) -> str:
@@ -62,12 +94,15 @@ def bundle(group: Sequence[Message]) -> Message:
     message gets a message id, as a grid gives a pushed message, so that its reply can name it."""
     content = RecordDict({BUNDLE_KEY: ConfigRecord({"size": len(group)})})
     for i, msg in enumerate(group):
-        msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        give_message_id(msg)
         for key, record in msg.content.items():
             content[_prefixed(i, key)] = record
     first = group[0].metadata
-    return Message(content=content, dst_node_id=first.dst_node_id, message_type=first.message_type,
-                   ttl=min(m.metadata.ttl for m in group), group_id=first.group_id or None)
+    one = Message(content=content, dst_node_id=first.dst_node_id, message_type=first.message_type,
+                  ttl=1.0, group_id=first.group_id or None)
+    # expires when the first of its messages would have: their replies may live no longer
+    one.metadata.ttl = max(min(expires_at(m) for m in group) - one.metadata.created_at, 1e-3)
+    return one
 
 
 def bundled_count(msg: Message) -> int:
@@ -104,14 +139,6 @@ def replies_of(reply: Message, group: Sequence[Message]) -> list[Message]:
     return out
 
 
-def engine_reason(ex: Exception) -> str:
-    """An exception's error reason as Flower's simulation words it (its Ray actor wraps the
-    ClientApp's exception in ``ClientAppException``, ``flwr/simulation/ray_transport/ray_actor.py``,
-    and ``flwr/server/superlink/fleet/vce/vce_api.py`` writes its type and text)."""
-    wrapped = ClientAppException(str(ex))
-    return str(type(wrapped)) + ":<'" + str(wrapped) + "'>"
-
-
 def run_bundle(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """A ClientApp mod: a bundle's messages run one after the other through ``call_next`` (the
     rest of the ClientApp), each as if it had come alone; their replies go back as one. Any
@@ -127,8 +154,9 @@ def run_bundle(msg: Message, context: Context, call_next: Callable[[Message, Con
             records: Any = reply.content.items() if not reply.has_error() else \
                 [(ERROR_KEY, ConfigRecord({"code": int(reply.error.code), "reason": str(reply.error.reason)}))]
         except Exception as ex:   # for this message only, in the words of Flower's simulation
-            records = [(ERROR_KEY, ConfigRecord({"code": ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                                 "reason": engine_reason(ex)}))]
+            log(ERROR, "a client of a bundle raised: %s\n%s", ex, traceback.format_exc())
+            records = [(ERROR_KEY, ConfigRecord({"code": CLIENT_APP_RAISED_EXCEPTION,
+                                                 "reason": engine_error_reason(ex)}))]
         for key, record in records:
             content[_prefixed(i, key)] = record
         del one

@@ -33,6 +33,10 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
     raised an exception", ..., exc_info=ex)``).
 11. :func:`is_inapplicable_notice`: the simulation's notices about the federation size, which
     ``pflower run`` sets itself, are left out of its output (``flwr/simulation/app.py``).
+12. :func:`give_message_id`, :func:`expires_at`, :func:`engine_error_reason`: what bundles of
+    several clients' messages (``common/bundles.py``) need of a message's metadata and of the
+    simulation's error replies (``flwr/superlink/grid/inmemory_grid.py``,
+    ``flwr/simulation/ray_transport/ray_actor.py``, ``flwr/server/superlink/fleet/vce/vce_api.py``).
 """
 
 from __future__ import annotations
@@ -157,9 +161,10 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
 def _bundled(messages: list[Any]) -> tuple[list[Any], list[tuple[Any, list[Any]]]]:
     """The messages to push, with several messages to one simulated node in one bundle
     (``common/bundles.py``), and each bundle's messages."""
-    from common.bundles import bundle, bundle_size, group_for_bundles
+    from common.bundles import bundle, bundle_size, group_for_bundles, message_bytes
 
-    size = bundle_size(len(messages), len({m.metadata.dst_node_id for m in messages}))
+    nodes = len({m.metadata.dst_node_id for m in messages})
+    size = bundle_size(len(messages), nodes, max(map(message_bytes, messages)) if len(messages) > nodes else 0)
     if size <= 1:
         return messages, []
     outgoing: list[Any] = []
@@ -622,7 +627,7 @@ def log_refusals_as_one_line(*kinds: type[BaseException]) -> None:
 
 # ---------------------------------------------------------------------- 11. notices that do not apply
 # Printed by every simulation (flwr/simulation/app.py) for a federation of Flower's default
-# size; ``pflower run`` gives the simulation one SuperNode per client itself. They are printed
+# size; ``pflower run`` sets the simulation's number of SuperNodes itself. They are printed
 # before any pflower code runs in that process, so they are left out where ``pflower run``
 # reads the log stream (and kept in the run folder's full log).
 INAPPLICABLE_NOTICES = (
@@ -635,3 +640,31 @@ INAPPLICABLE_NOTICES = (
 def is_inapplicable_notice(line: str) -> bool:
     """Whether a line of the simulation's log is one of :data:`INAPPLICABLE_NOTICES`."""
     return any(notice in line for notice in INAPPLICABLE_NOTICES)
+
+
+# ---------------------------------------------------------------------- 12. bundles' messages
+CLIENT_APP_RAISED_EXCEPTION = 2   # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+def give_message_id(msg: Any) -> str:
+    """Give a message that is not pushed itself (it travels in a bundle) an id, as the grid
+    gives a pushed one (``InMemoryGrid.push_messages``), so that its reply can name it."""
+    import uuid
+
+    msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+    return str(msg.metadata.message_id)
+
+
+def expires_at(msg: Any) -> float:
+    """When a message expires (its creation time plus its time to live, seconds since the epoch)."""
+    return float(msg.metadata.created_at) + float(msg.metadata.ttl)
+
+
+def engine_error_reason(ex: BaseException) -> str:
+    """An exception's error reason as Flower's simulation words it: its Ray actor wraps the
+    ClientApp's exception in ``ClientAppException`` (``ray_actor.py``) and the engine writes its
+    type and text (``vce_api.py``), which ``strategies/replies.py: short_reason`` reads back."""
+    from flwr.clientapp.client_app import ClientAppException
+
+    wrapped = ClientAppException(str(ex))
+    return str(type(wrapped)) + ":<'" + str(wrapped) + "'>"

@@ -45,7 +45,7 @@ from learning.storage import (
 )
 
 log = logging.getLogger(__name__)
-_SOURCES = ("data.py", "sources.py", "partition.py", "data_cache.py")   # the code a split depends on
+_SOURCES = ("data.py", "sources.py", "partition.py", "typed.py", "data_cache.py")   # the code a split depends on
 SPLITS = ("train", "val", "test")
 
 

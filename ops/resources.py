@@ -35,6 +35,14 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as a container limits it), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
 def cpus_per_run(jobs: int) -> int:
     """The CPUs each of ``jobs`` runs at once may use: an equal share of this machine's.
 

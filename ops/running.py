@@ -33,6 +33,7 @@ from ops.resources import (
     resolve_gpu_share,
     simulated_nodes,
     simulation_config,
+    usable_cpus,
     use_ray_cluster,
     visible_gpus,
 )
@@ -237,7 +238,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     started = time.time()
     local = ray_address == "local"
     federation = simulation_config(n, options.num_cpus, num_gpus, ray_cpus if local else None,
-                                   simulated_nodes(n, options.num_cpus, num_gpus, ray_cpus or os.cpu_count() or 1,
+                                   simulated_nodes(n, options.num_cpus, num_gpus, ray_cpus or usable_cpus(),
                                                    visible_gpus()) if local else None)
     print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
           + (f" ({number_text(num_gpus)} GPU per client)" if num_gpus else "")

@@ -20,6 +20,8 @@ from client import app as client_app
 from common.bundles import (
     BUNDLE_KEY,
     BUNDLES_PER_NODE,
+    MAX_BUNDLE_BYTES,
+    MAX_BUNDLE_CLIENTS,
     bundle,
     bundle_size,
     bundled_count,
@@ -28,7 +30,7 @@ from common.bundles import (
     run_bundle,
 )
 from common.config import compose_config
-from common.flower_compat import send_and_receive
+from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION, send_and_receive
 from common.protocol import ARRAYS_KEY, CONFIG_KEY, from_record, to_record
 from learning.data import load_federated_data
 from ops.resources import simulated_nodes, simulation_config
@@ -57,12 +59,36 @@ def _echo(msg: Message, _: Context | None) -> Message:
     return Message(RecordDict({ARRAYS_KEY: to_record({"w": 2 * w}), "metrics": ConfigRecord({"i": i})}), reply_to=msg)
 
 
-def test_bundle_size_spreads_an_exchange_over_two_bundles_a_node() -> None:
-    for messages in range(1, 60):
-        for nodes in range(1, 12):
-            expected = 1 if messages <= nodes else math.ceil(messages / (BUNDLES_PER_NODE * nodes))
-            assert bundle_size(messages, nodes) == expected
-    assert bundle_size(36, 2) == 9 and bundle_size(8, 2) == 2 and bundle_size(8, 8) == 1
+@pytest.mark.parametrize("messages,nodes,largest", [(m, n, b) for m in (1, 2, 7, 8, 36, 100, 1000)
+                                                     for n in (1, 2, 3, 8) for b in (0, 436_000, 20_000_000, 200_000_000)])
+def test_bundles_are_even_few_and_bounded(messages: int, nodes: int, largest: int) -> None:
+    """Spread over the nodes as the placement puts them (client c on node c mod N): every
+    message in exactly one group of one node, groups of a node differ by one message at most,
+    none above 10 clients or 64 MB, and no node gets more than two groups unless a bound
+    forces more."""
+    msgs = [_message(i, 100 + i % nodes) for i in range(messages)]
+    groups = group_for_bundles(msgs, bundle_size(messages, nodes, largest))
+    assert sorted(id(m) for g in groups for m in g) == sorted(id(m) for m in msgs)
+    assert all(len({m.metadata.dst_node_id for m in g}) == 1 for g in groups)
+    limit = min(MAX_BUNDLE_CLIENTS, max(1, MAX_BUNDLE_BYTES // max(largest, 1)))   # the documented bounds
+    assert all(len(g) <= limit for g in groups)
+    for node in range(nodes):
+        sizes = [len(g) for g in groups if g[0].metadata.dst_node_id == 100 + node]
+        mine = len(range(node, messages, nodes))
+        assert sum(sizes) == mine and (not sizes or max(sizes) - min(sizes) <= 1)
+        if messages <= nodes:    # one message a node: nothing to bundle
+            assert sizes == [1] * mine
+        else:                    # as few as the bounds allow, two a node when they allow it
+            assert len(sizes) <= max(BUNDLES_PER_NODE, math.ceil(mine / limit))
+            assert limit == 1 or mine <= BUNDLES_PER_NODE or max(sizes) >= 2
+
+
+def test_the_paper_settings_bundles() -> None:
+    """FEDORA's 36 clients on 2 nodes: 4 bundles of 9; the default 8 clients: 4 of 2; FedBasis'
+    80 clients of 213 MB each: no bundles; 1,000 clients: bundles of 10."""
+    assert bundle_size(36, 2, 436_000) == 9 and bundle_size(8, 2, 595_000) == 2
+    assert bundle_size(80, 2, 213_000_000) == 1 and bundle_size(1000, 2, 436_000) == 10
+    assert [len(g) for g in group_for_bundles([_message(i, 1) for i in range(18)], 8)] == [6, 6, 6]
 
 
 def test_groups_keep_each_nodes_messages_in_order_and_never_mix_nodes_or_types() -> None:
@@ -74,9 +100,9 @@ def test_groups_keep_each_nodes_messages_in_order_and_never_mix_nodes_or_types()
         assert len({(m.metadata.dst_node_id, m.metadata.message_type) for m in g}) == 1
         positions = [msgs.index(m) for m in g]
         assert positions == sorted(positions)
-    # a node's messages of one type fill groups of 3 before starting another
+    # node 10's train messages (0, 3, 6, 9): two groups of two, in order
     node10_train = [g for g in groups if g[0].metadata.dst_node_id == 10 and g[0].metadata.message_type == MessageType.TRAIN]
-    assert [len(g) for g in node10_train] == [3, 1]   # messages 0, 3, 6, 9
+    assert [[msgs.index(m) for m in g] for g in node10_train] == [[0, 3], [6, 9]]
 
 
 def test_a_bundles_replies_are_the_replies_its_messages_get_alone() -> None:
@@ -108,6 +134,22 @@ def test_a_bundles_replies_are_the_replies_its_messages_get_alone() -> None:
             np.testing.assert_array_equal(from_record(got.content.array_records[ARRAYS_KEY])["w"],
                                           from_record(want.content.array_records[ARRAYS_KEY])["w"])
             assert dict(got.content.config_records["metrics"]) == dict(want.content.config_records["metrics"])
+
+
+def test_a_bundle_expires_when_its_first_message_would_and_reports_errors_as_flower_does(caplog: pytest.LogCaptureFixture) -> None:
+    from flwr.common.constant import ErrorCode
+
+    group = [_message(i, 5) for i in range(3)]
+    group[1].metadata.ttl = 30.0
+    one = bundle(group)
+    assert abs(one.metadata.created_at + one.metadata.ttl - (group[1].metadata.created_at + 30.0)) < 1e-6
+    assert CLIENT_APP_RAISED_EXCEPTION == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    one.metadata.__dict__["_message_id"] = "bundle"
+    failing = [_message(3, 5)]
+    with caplog.at_level("ERROR"):
+        reply = run_bundle(bundle(failing + group[:1]), None, _echo)   # type: ignore[arg-type]
+    assert "client 3 fails" in caplog.text and "Traceback" in caplog.text   # the traceback is kept
+    assert replies_of(reply, failing + group[:1])[0].has_error()
 
 
 def test_an_error_reply_to_a_bundle_is_every_bundled_messages_error() -> None:
@@ -172,6 +214,10 @@ def test_a_simulation_gets_as_many_nodes_as_clients_run_at_once() -> None:
     assert simulated_nodes(36, 1, 0, cpus=2, gpus=0) == 2
     assert simulated_nodes(36, 2, 0, cpus=16, gpus=0) == 8
     assert simulated_nodes(36, 1, 0.25, cpus=16, gpus=1) == 4      # 4 clients share the GPU at once
+    assert simulated_nodes(36, 1, 0.125, cpus=16, gpus=1) == 8
+    assert simulated_nodes(36, 1, 1 / 3, cpus=16, gpus=1) == 3
+    assert simulated_nodes(36, 1, 1 / 3, cpus=16, gpus=2) == 6
+    assert simulated_nodes(36, 4, 0.125, cpus=16, gpus=1) == 4     # the CPUs bound it first
     assert simulated_nodes(3, 1, 0, cpus=16, gpus=0) == 3           # never more nodes than clients
     assert simulated_nodes(5, 4, 0, cpus=2, gpus=0) == 1
     assert "num-supernodes=2 " in simulation_config(36, 1, 0, None, 2)
