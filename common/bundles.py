@@ -28,18 +28,20 @@ from __future__ import annotations
 import copy
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from logging import ERROR
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.logger import log
 
+from common import flower_compat
 from common.flower_compat import (
     CLIENT_APP_RAISED_EXCEPTION,
     engine_error_reason,
     expires_at,
     give_message_id,
+    is_simulation_grid,
 )
 
 BUNDLE_KEY = "pflower.bundle"    # config record of a bundle (and of its reply): {"size": n}
@@ -161,3 +163,45 @@ def run_bundle(msg: Message, context: Context, call_next: Callable[[Message, Con
             content[_prefixed(i, key)] = record
         del one
     return Message(content, reply_to=msg)
+
+
+def send_and_receive(grid: Any, messages: Iterable[Message], timeout: float,
+                     on_reply: Callable[[Message], Any] | None = None) -> list[Any]:
+    """``flower_compat.send_and_receive`` (same contract: what ``on_reply`` returns of each
+    reply that arrived in time, in arrival order), with several messages to one node of the
+    simulation (or of a test grid that says ``bundles_messages``) sent as bundles, each of whose
+    replies is handed on as one reply per message, as if the messages had travelled alone."""
+    keep = on_reply if on_reply is not None else (lambda message: message)
+    outgoing = list(messages)
+    del messages
+    bundled: list[tuple[Message, list[Message]]] = []
+    if is_simulation_grid(grid) or getattr(grid, "bundles_messages", False):
+        outgoing, bundled = _bundled(outgoing)
+    if not bundled:
+        return flower_compat.send_and_receive(grid, outgoing, timeout, on_reply)
+    groups: dict[str, list[Message]] = {}   # a bundle's messages by the bundle's id (given when pushed)
+
+    def unbundle(reply: Message) -> list[Any]:
+        if not groups:
+            groups.update({one.metadata.message_id: group for one, group in bundled})
+        group = groups.pop(reply.metadata.reply_to_message_id, None)
+        return [keep(r) for r in (replies_of(reply, group) if group is not None else [reply])]
+
+    return [kept for part in flower_compat.send_and_receive(grid, outgoing, timeout, unbundle) for kept in part]
+
+
+def _bundled(messages: list[Message]) -> tuple[list[Message], list[tuple[Message, list[Message]]]]:
+    """The messages to push, several messages to one node in one bundle, and each bundle's messages."""
+    nodes = len({m.metadata.dst_node_id for m in messages})
+    size = bundle_size(len(messages), nodes, max(map(message_bytes, messages)) if len(messages) > nodes else 0)
+    if size <= 1:
+        return messages, []
+    outgoing: list[Message] = []
+    bundled: list[tuple[Message, list[Message]]] = []
+    for group in group_for_bundles(messages, size):
+        if len(group) == 1:
+            outgoing.append(group[0])
+        else:
+            outgoing.append(one := bundle(group))
+            bundled.append((one, group))
+    return outgoing, bundled

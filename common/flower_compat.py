@@ -100,6 +100,12 @@ def __getattr__(name: str) -> Any:
 REPLY_POLL_S = 0.1   # how often replies are pulled from a deployment's SuperLink
 
 
+def is_simulation_grid(grid: Any) -> bool:
+    """The simulation's grid (Flower's ``InMemoryGrid``)."""
+    in_memory_grid = _grid_classes()[1]
+    return in_memory_grid is not None and isinstance(grid, in_memory_grid)
+
+
 def is_deployment_grid(grid: Any) -> bool:
     """A deployment's grid (its nodes are separate machines, one client each); otherwise the
     simulation's grid (or a test's), whose nodes may serve several clients."""
@@ -118,36 +124,26 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     simulation) sleeps 0.1 s between pulls and returns nothing before the last reply: its
     replies are pulled here too, waking as soon as one is stored (item 9), so that a strategy
     can fold each one in and drop its arrays while the others train (``on_reply`` returns what
-    is kept). In the simulation, several messages to one node (a node serving several clients)
-    travel as bundles (``common/bundles.py``) and their replies come back one per message, as
-    if they had travelled alone. Test grids that only answer ``send_and_receive`` get
-    ``on_reply`` applied to what they return. Same contract: the replies (as ``on_reply``
-    returns them) that arrived before ``timeout``, in arrival order."""
+    is kept). Test grids that only answer ``send_and_receive`` get ``on_reply`` applied to what
+    they return. Same contract: the replies (as ``on_reply`` returns them) that arrived before
+    ``timeout``, in arrival order. (``common/bundles.py: send_and_receive`` sends several
+    messages to one simulated node in bundles through this one.)"""
     keep = on_reply if on_reply is not None else (lambda message: message)
     deployment = is_deployment_grid(grid)
-    in_memory_grid = _grid_classes()[1]
-    simulation = in_memory_grid is not None and isinstance(grid, in_memory_grid)
-    bundles = simulation or getattr(grid, "bundles_messages", False)   # a test grid may say it does
-    polled = deployment or bundles or (on_reply is not None and hasattr(grid, "push_messages")
-                                       and hasattr(grid, "pull_messages"))
+    simulation = is_simulation_grid(grid)
+    polled = deployment or simulation or (on_reply is not None and hasattr(grid, "push_messages")
+                                          and hasattr(grid, "pull_messages"))
     if not polled:
         return [keep(m) for m in grid.send_and_receive(messages, timeout=timeout)]
-    # imported here: Flower's message classes take 0.5 s, which this module's other users do not need
-    from common.bundles import replies_of
-
-    outgoing, bundled = _bundled(list(messages)) if bundles else (list(messages), [])
-    waiting = set(grid.push_messages(outgoing))
-    groups = {m.metadata.message_id: group for m, group in bundled}   # a bundle's messages, by its id
-    del messages, outgoing, bundled
+    waiting = set(grid.push_messages(messages))
+    del messages
     replies: list[Any] = []
     end = time.monotonic() + timeout
     while waiting:
         seen = stores_seen()
         arrived = list(grid.pull_messages(waiting))
         waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
-        for m in arrived:
-            group = groups.pop(m.metadata.reply_to_message_id, None)
-            replies.extend(keep(r) for r in (replies_of(m, group) if group is not None else [m]))
+        replies.extend(keep(m) for m in arrived)
         del arrived
         if not waiting or time.monotonic() >= end:
             break
@@ -156,26 +152,6 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
         else:                          # the simulation: wake when a reply is stored (item 9)
             wait_for_a_store(seen, min(REPLY_POLL_S, max(end - time.monotonic(), 0.0)))
     return replies
-
-
-def _bundled(messages: list[Any]) -> tuple[list[Any], list[tuple[Any, list[Any]]]]:
-    """The messages to push, with several messages to one simulated node in one bundle
-    (``common/bundles.py``), and each bundle's messages."""
-    from common.bundles import bundle, bundle_size, group_for_bundles, message_bytes
-
-    nodes = len({m.metadata.dst_node_id for m in messages})
-    size = bundle_size(len(messages), nodes, max(map(message_bytes, messages)) if len(messages) > nodes else 0)
-    if size <= 1:
-        return messages, []
-    outgoing: list[Any] = []
-    bundled: list[tuple[Any, list[Any]]] = []
-    for group in group_for_bundles(messages, size):
-        if len(group) == 1:
-            outgoing.append(group[0])
-        else:
-            outgoing.append(one := bundle(group))
-            bundled.append((one, group))
-    return outgoing, bundled
 
 
 # ---------------------------------------------------------------------- 2. object pulls

@@ -25,8 +25,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from common.bundles import send_and_receive
 from common.config import run_settings
-from common.flower_compat import send_and_receive
 from common.protocol import EVALUATE_ROUND
 from common.settings import RunKeys
 from common.timing import note, part, timed, timing_folder

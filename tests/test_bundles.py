@@ -28,9 +28,10 @@ from common.bundles import (
     group_for_bundles,
     replies_of,
     run_bundle,
+    send_and_receive,
 )
 from common.config import compose_config
-from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION, send_and_receive
+from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION
 from common.protocol import ARRAYS_KEY, CONFIG_KEY, from_record, to_record
 from learning.data import load_federated_data
 from ops.resources import simulated_nodes, simulation_config
