@@ -4,7 +4,7 @@ would, and answers with one reply that the server splits back into one reply per
 
 Why: Flower's simulation engine pays a fixed cost per message whatever it carries (a Ray
 actor call, the node's context out and back, the message (de)pickled twice): 10 ms of a
-worker's time per message on the 2-core CI machine, 0.18 s of a 36-client round in which
+worker's time per message on a 2-core machine, 0.18 s of a 36-client round in which
 the plain PyTorch loop spends 0.37 s in all (``python -m bench.handoff``, docs/benchmarks.md
 (a)). Four bundles of nine clients cost 0.07 s. Nothing else changes: each client's message
 is run by the same handler with the same content, its reply (or its error) is the reply the
@@ -179,11 +179,12 @@ def send_and_receive(grid: Any, messages: Iterable[Message], timeout: float,
         outgoing, bundled = _bundled(outgoing)
     if not bundled:
         return flower_compat.send_and_receive(grid, outgoing, timeout, on_reply)
-    groups: dict[str, list[Message]] = {}   # a bundle's messages by the bundle's id (given when pushed)
+    groups: dict[str, list[Message]] | None = None   # a bundle's messages by the bundle's id (given when pushed)
 
     def unbundle(reply: Message) -> list[Any]:
-        if not groups:
-            groups.update({one.metadata.message_id: group for one, group in bundled})
+        nonlocal groups
+        if groups is None:
+            groups = {one.metadata.message_id: group for one, group in bundled}
         group = groups.pop(reply.metadata.reply_to_message_id, None)
         return [keep(r) for r in (replies_of(reply, group) if group is not None else [reply])]
 
