@@ -101,7 +101,7 @@ def bundle(group: Sequence[Message]) -> Message:
             content[_prefixed(i, key)] = record
     first = group[0].metadata
     one = Message(content=content, dst_node_id=first.dst_node_id, message_type=first.message_type,
-                  ttl=1.0, group_id=first.group_id or None)
+                  ttl=1.0, group_id=first.group_id or None)   # ttl set below, from its creation time
     # expires when the first of its messages would have: their replies may live no longer
     one.metadata.ttl = max(min(expires_at(m) for m in group) - one.metadata.created_at, 1e-3)
     return one
@@ -161,7 +161,6 @@ def run_bundle(msg: Message, context: Context, call_next: Callable[[Message, Con
                                                  "reason": engine_error_reason(ex)}))]
         for key, record in records:
             content[_prefixed(i, key)] = record
-        del one
     return Message(content, reply_to=msg)
 
 
