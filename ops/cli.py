@@ -27,7 +27,7 @@ import sys
 
 from common.flower_compat import FlowerVersionError, check_flower_version
 from ops.compare import cmd_compare
-from ops.resources import RAY_ADDRESS_HELP, cpus_per_run, number_text, ray_cluster
+from ops.resources import RAY_ADDRESS_HELP, cpus_per_run, number_text, ray_cluster, usable_cpus
 from ops.running import DEFAULT_MAX_RECOVERIES, cmd_run
 from ops.sweep import JOBS_HELP, cmd_sweep
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs {args.jobs}: give the number of runs at once, 1 or more (1 = one after another)")
     jobs, num_cpus = getattr(args, "jobs", 1), getattr(args, "num_cpus", 1.0)
     if jobs > 1 and ray_cluster(getattr(args, "ray_address", None)) is None and num_cpus > cpus_per_run(jobs):
-        parser.error(f"--jobs {jobs} gives each run {cpus_per_run(jobs)} of this machine's {os.cpu_count()} "
+        parser.error(f"--jobs {jobs} gives each run {cpus_per_run(jobs)} of this machine's {usable_cpus()} "
                      f"CPUs, but --num-cpus {number_text(num_cpus)} asks for more per client: no client could start; "
                      f"use --num-cpus {cpus_per_run(jobs)} or less, or fewer --jobs")
     try:

@@ -35,12 +35,18 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, as a container limits it), else the machine's."""
+def usable_cores() -> list[int]:
+    """The CPU numbers this process may run on (its affinity, as a container limits it), else
+    all of the machine's."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:   # not on Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (:func:`usable_cores`)."""
+    return len(usable_cores())
 
 
 def cpus_per_run(jobs: int) -> int:
@@ -50,7 +56,31 @@ def cpus_per_run(jobs: int) -> int:
     machine: ``jobs`` instances start ``jobs`` times as many clients as there are cores, each
     with as many threads as its ``--num-cpus`` (Ray sets ``OMP_NUM_THREADS``), and the cores
     spend the round switching threads (measured in docs/benchmarks.md)."""
-    return max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    return max(1, usable_cpus() // max(jobs, 1))
+
+
+def core_groups(cores: list[int], jobs: int) -> list[tuple[int, ...]] | None:
+    """``jobs`` disjoint sets of ``len(cores) // jobs`` cores each, in order (None when there
+    are fewer cores than jobs: the runs then share them all).
+
+    Why: a run's Ray share (``--cpus``) bounds its clients, not its ServerApp, SuperLink and
+    Ray's own processes, nor the threads torch and BLAS start in them (one per core of the
+    machine). Seven 36-client runs on a 16-core H100 machine, each given 2 CPUs, ran at
+    2.7-4.6 s a round with a load of 30-38; the same runs each pinned to 2 cores ran at
+    1.4-1.8 s (docs/benchmarks.md, "Many runs on one GPU box")."""
+    per = len(cores) // max(jobs, 1)
+    if per < 1:
+        return None
+    return [tuple(cores[i * per:(i + 1) * per]) for i in range(jobs)]
+
+
+def pin_to(cores: tuple[int, ...]) -> None:
+    """Run this process (and what it starts) on ``cores`` only; a set the machine cannot
+    give (cores it lacks) leaves the process where it was, unpinned but running."""
+    try:
+        os.sched_setaffinity(0, cores)
+    except (AttributeError, OSError):
+        pass
 
 
 def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,

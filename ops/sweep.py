@@ -20,7 +20,7 @@ from common.config import (
     run_settings,
     split_overrides,
 )
-from ops.resources import cpus_per_run, number_text, ray_cluster
+from ops.resources import core_groups, cpus_per_run, number_text, pin_to, ray_cluster, usable_cores
 from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, RunOptions, run_configuration
 
 
@@ -101,15 +101,22 @@ def run_in_parallel(grid: list[list[str]], options: RunOptions, jobs: int, who: 
     side instead of one after another (a run of a small model uses about two cores however
     many it is given: its server and SuperLink are sequential). Each run's output goes to
     ``<results_root>/.sweep-logs/<run name>.log``; a finished run is reused, as sequentially.
+    On a private Ray, each run is pinned to cores of its own (:func:`ops.resources.core_groups`),
+    and a run that ends hands its cores to the next.
     Returns, in grid order, what :func:`run_or_reuse` returns for each configuration."""
+    import functools
     import subprocess
 
     from ops.deployment.launch import kill_tree
 
+    free_cores: list[tuple[int, ...]] = []
     if ray_cluster(options.ray_address) is None:   # each private Ray gets its share
         options = dataclasses.replace(options, cpus=cpus_per_run(jobs))
-        print(f"pflower {who}: {jobs} runs at once, each on {options.cpus} of this machine's {os.cpu_count()} "
-              f"CPUs ({number_text(options.num_cpus)} per client)", flush=True)
+        cores = usable_cores()
+        free_cores = core_groups(cores, jobs) or []
+        print(f"pflower {who}: {jobs} runs at once, each on {options.cpus} of this machine's {len(cores)} "
+              f"CPUs ({number_text(options.num_cpus)} per client)"
+              + (", each run pinned to cores of its own" if free_cores else ""), flush=True)
     folders = [run_folder(combo) for combo in grid]
     results: dict[Path, tuple[Path | None, bool]] = {}
     waiting: list[tuple[int, list[str], Path]] = []
@@ -120,15 +127,19 @@ def run_in_parallel(grid: list[list[str]], options: RunOptions, jobs: int, who: 
         elif folder not in {f for _, _, f in waiting}:   # the same run named twice runs once
             waiting.append((i, combo, folder))
     running: dict[Path, tuple[subprocess.Popen, Path, int]] = {}
+    pinned: dict[Path, tuple[int, ...]] = {}
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
                 i, combo, folder = waiting.pop(0)
                 log = folder.parent / ".sweep-logs" / f"{folder.name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
+                if free_cores:
+                    pinned[folder] = free_cores.pop(0)
+                pin = functools.partial(pin_to, pinned[folder]) if folder in pinned else None
                 with log.open("w") as out:
                     proc = subprocess.Popen(run_command(continue_unfinished(combo, folder, who), options), stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+                                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
                 running[folder] = (proc, log, i)
                 print(f"pflower {who}: [{i}/{len(grid)}] started {' '.join(combo)} (output: {log})", flush=True)
             for folder, (proc, log, i) in list(running.items()):
@@ -136,6 +147,8 @@ def run_in_parallel(grid: list[list[str]], options: RunOptions, jobs: int, who: 
                 if code is None:
                     continue
                 del running[folder]
+                if folder in pinned:
+                    free_cores.append(pinned.pop(folder))
                 ok = code in (0, EXIT_PARTIAL)
                 results[folder] = (folder if ok else None, code == EXIT_PARTIAL)
                 print(f"pflower {who}: [{i}/{len(grid)}] " + (f"done: {folder}" if ok else
@@ -191,7 +204,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another) on an equal "
-             "share of this machine's CPUs (cores / N; --num-cpus of them per client); a run of a small model "
+             "share of this machine's CPUs (cores / N, the run pinned to them; --num-cpus of them per client); "
+             "a run of a small model "
              "uses about two cores, so e.g. --jobs 8 on 16 cores; each run's output goes to "
              "<results_root>/.sweep-logs/")
 

@@ -11,6 +11,7 @@ side) is the e2e test at the end.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -148,7 +149,7 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     on a Ray cluster (``--ray-address``) is the cluster's to place, and gets no share."""
     import os
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     set_ray_address(monkeypatch, ray_env)
     seen: list[list[str]] = []
     real_command = sweep.run_command
@@ -171,6 +172,49 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     assert seen and all("--cpus" not in cmd for cmd in seen)
 
 
+AFFINITY_RUN = r"""
+import json, os, sys, time
+log, seconds = sys.argv[1], float(sys.argv[2])
+with open(log, "a") as f: f.write(json.dumps({"start": time.time(), "cores": sorted(os.sched_getaffinity(0))}) + "\n")
+time.sleep(seconds)
+with open(log, "a") as f: f.write(json.dumps({"end": time.time()}) + "\n")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning runs to cores of their own needs Linux and 2 or more usable cores")
+def test_each_run_of_a_parallel_sweep_runs_on_cores_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--jobs 2`` on this machine's cores: two runs at once, each pinned to its own half (what
+    the run starts, its ServerApp, SuperLink and Ray, inherits the pinning), and a third run gets
+    the cores of the run that ended. On a Ray cluster nothing is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    script, log = tmp_path / "affinity.py", tmp_path / "events.jsonl"
+    script.write_text(AFFINITY_RUN)
+    durations = iter(["0.6", "1.2", "0.3"])
+    monkeypatch.setattr(sweep, "run_command", lambda combo, options: [sys.executable, str(script), str(log),
+                                                                      next(durations)])
+    set_ray_address(monkeypatch, None)
+    grid = sweep.expand_grid([f"results_root={tmp_path / 'r'}", "strategy=fedavg", "seed=0,1,2"])
+    sweep.run_in_parallel(grid, _options(), jobs=2, poll_s=0.02)
+    seen = [e["cores"] for e in _events(log) if "start" in e]
+    assert seen == [cores[:half], cores[half:2 * half], cores[:half]], seen   # the third: the first's cores
+    log.unlink()
+    durations = iter(["0.1"] * 3)
+    cluster = RunOptions(num_cpus=1.0, num_gpus=None, max_recoveries=0, ray_address="10.0.0.1:6379")
+    sweep.run_in_parallel(grid, cluster, jobs=2, poll_s=0.02)
+    assert [e["cores"] for e in _events(log) if "start" in e] == [cores] * 3
+
+
+def test_core_groups_split_the_usable_cores_evenly_and_in_order() -> None:
+    from ops.resources import core_groups
+
+    assert core_groups(list(range(16)), 7) == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13)]
+    assert core_groups([0, 2, 4, 6, 8], 2) == [(0, 2), (4, 6)]      # an affinity with gaps, as a cpuset gives
+    assert core_groups(list(range(16)), 3) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12, 13, 14)]
+    assert core_groups([0, 1], 3) is None                           # fewer cores than runs: shared, unpinned
+
+
 @pytest.mark.parametrize("ray_env", [None, "local"])
 def test_a_parallel_sweep_whose_clients_cannot_fit_in_a_runs_share_is_refused(
         ray_env: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -179,7 +223,7 @@ def test_a_parallel_sweep_whose_clients_cannot_fit_in_a_runs_share_is_refused(
     client could start. Refused before anything starts, naming both ways out."""
     import os
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     set_ray_address(monkeypatch, ray_env)
     for command in ("sweep", "tune"):
         with pytest.raises(SystemExit) as stop:
