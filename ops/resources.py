@@ -65,9 +65,9 @@ def core_groups(cores: list[int], jobs: int) -> list[tuple[int, ...]] | None:
 
     Why: a run's Ray share (``--cpus``) bounds its clients, not its ServerApp, SuperLink and
     Ray's own processes, nor the threads torch and BLAS start in them (one per core of the
-    machine). Seven 36-client runs on a 16-core H100 machine, each given 2 CPUs, ran at
-    2.7-4.6 s a round with a load of 30-38; the same runs each pinned to 2 cores ran at
-    1.4-1.8 s (docs/benchmarks.md, "Many runs on one GPU box")."""
+    machine). Seven 36-client runs on a 16-core H100 machine, each given 2 CPUs, took 3.4 s a
+    round; the same runs each pinned to 2 cores took 1.6 s (docs/benchmarks.md, "Each
+    parallel run pinned to cores of its own")."""
     per = len(cores) // max(jobs, 1)
     if per < 1:
         return None
