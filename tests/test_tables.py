@@ -79,6 +79,35 @@ def test_each_run_of_the_table_composes_the_checked_in_config(experiment: str) -
                              "`python3 -m tests.test_tables --write`")
 
 
+KEPT_RUNS = sorted((REPO / "docs" / "runs").glob("*/*/config.yaml"))
+
+
+def _what_it_computes(cfg: dict) -> dict:
+    """A composed configuration less where its run and its data lie (``dataset.root``: the
+    same idx files, checked by MD5 when installed, wherever they are)."""
+    out = {k: v for k, v in cfg.items() if k not in WHERE}
+    out["dataset"] = {k: v for k, v in out["dataset"].items() if k != "root"}
+    return out
+
+
+@pytest.mark.parametrize("config", KEPT_RUNS, ids=[f"{c.parent.parent.name}/{c.parent.name}" for c in KEPT_RUNS])
+def test_each_kept_run_is_what_its_command_composes_today(config: Path) -> None:
+    """A table that takes days is finished from the runs kept in docs/runs/, which the sweep
+    reuses as done. Each must be what its own command line composes today; a default changed
+    under them fails here, and the kept runs must be measured again (their folder removed)."""
+    overrides = [o for o in yaml.safe_load((config.parent / "overrides.json").read_text())["overrides"]
+                 if o.partition("=")[0] not in (*WHERE, "dataset.root")]
+    today = OmegaConf.to_container(compose_config({}, [*overrides, "dataset.root=/data"]), resolve=True)
+    kept = _what_it_computes(yaml.safe_load(config.read_text()))
+    now = _what_it_computes(today)   # type: ignore[arg-type]
+    differs = sorted(k for k in set(kept) | set(now) if kept.get(k) != now.get(k))
+    assert not differs, f"{config.parent.name}: {differs} differ from what `{' '.join(overrides)}` composes today"
+
+
+def test_the_kept_runs_are_there() -> None:
+    assert len(KEPT_RUNS) >= 18, "docs/runs/ lost the finished runs of FEDORA's Fashion-MNIST table"
+
+
 def test_experiment_overrides_per_strategy_and_the_command_line_wins() -> None:
     """``strategy_overrides``: FDSE gets its own model in the FDSE table's experiment while the
     baselines keep AlexNet-BN at the same widths; a key given on the command line wins."""
