@@ -121,7 +121,6 @@ def test_an_interrupted_sweep_stops_the_runs_it_started(tmp_path: Path, monkeypa
     assert len(started) == 2                        # the third never started
     for pid in started:
         with pytest.raises(ProcessLookupError):      # stopped and reaped, not left running
-            import os
             os.kill(pid, 0)
 
 
@@ -147,7 +146,6 @@ def test_each_run_of_a_parallel_sweep_gets_an_equal_share_of_the_cpus(
     """Each ``pflower run`` starts its own Ray instance, which takes the whole machine unless
     told otherwise: 6 runs on 16 cores must each get 2 CPUs (``--cpus 2``), not 16 each. A run
     on a Ray cluster (``--ray-address``) is the cluster's to place, and gets no share."""
-    import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     set_ray_address(monkeypatch, ray_env)
@@ -221,7 +219,6 @@ def test_a_parallel_sweep_whose_clients_cannot_fit_in_a_runs_share_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``--jobs 6 --num-cpus 4`` on 16 cores: a run's share is 2 CPUs, a client asks for 4, so no
     client could start. Refused before anything starts, naming both ways out."""
-    import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     set_ray_address(monkeypatch, ray_env)
