@@ -42,10 +42,16 @@ BN_COLUMNS = (("accuracy_mean", "acc mean"), ("accuracy_min", "acc min"),
 
 
 def machines(runs: list[dict[str, Any]]) -> str:
-    """The machines the runs' numbers came from (GPU, else CPU model; torch version)."""
-    names = {f"{m.get('gpu') or m.get('cpu', '?')}, torch {m.get('torch', '?')}"
+    """The machines the runs' numbers came from (GPU, else CPU model and the instruction set
+    torch used on it, when the summary records it; torch version)."""
+    names = {f"{m.get('gpu') or _cpu_text(m)}, torch {m.get('torch', '?')}"
              for r in runs if (m := r.get("machine"))}
     return "; ".join(sorted(names)) or "-"
+
+
+def _cpu_text(machine: Mapping[str, Any]) -> str:
+    cpu = str(machine.get("cpu", "?"))
+    return f"{cpu} ({machine['cpu_capability']})" if machine.get("cpu_capability") else cpu
 
 
 def load_summary(run_dir: Path) -> dict[str, Any]:

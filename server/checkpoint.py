@@ -90,6 +90,17 @@ def checkpoint_round(run_dir: Path) -> int | None:
         return None
 
 
+def another_instruction_set(meta: dict[str, Any], here: str) -> str | None:
+    """Why a resume here will not match the uninterrupted run to the last bit, or None when
+    the checkpoint was written with the same CPU instruction set (or did not record one)."""
+    written = meta.get("cpu_capability")
+    if written is None or written == here:
+        return None
+    return (f"this machine's CPU kernels use {here}, the checkpoint's machine used {written}: the run goes "
+            f"on correctly, but its numbers from here differ in the last bits from an uninterrupted "
+            f"run's (and, over hundreds of rounds, by a few test images)")
+
+
 def rng_state_groups() -> tuple[NDArrays, dict[str, Any]]:
     """The server process's global RNG states (torch as an array; numpy and Python's
     ``random`` as JSON), so methods that draw from them resume identically."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import Message
@@ -32,12 +32,14 @@ from common.settings import RunKeys
 from common.timing import note, part, timed, timing_folder
 from server.checkpoint import (
     CheckpointError,
+    another_instruction_set,
     load_checkpoint,
     restore_rng_state,
     rng_state_groups,
     save_checkpoint,
 )
 from server.results import RunRecorder
+from server.summary import cpu_capability
 from strategies.base import PersonalizedStrategy
 
 
@@ -62,6 +64,8 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         last, groups, meta = load_checkpoint(recorder.dir, identity)
         if last > rounds:
             raise CheckpointError(f"the checkpoint in {recorder.dir} is at round {last}, beyond rounds={rounds}")
+        if (why := another_instruction_set(meta, cpu_capability())) is not None:
+            log(WARNING, "resuming %s: %s", recorder.dir, why)
         restore_rng_state(groups.pop("_rng", {}), meta.get("rng_state", {}))
         strategy.load_state(groups, meta.get("strategy_state", {}))
         recorder.truncate_to(last)
@@ -131,7 +135,8 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
             rng_arrays, rng_meta = rng_state_groups()
             groups, meta = strategy.state()
             save_checkpoint(recorder.dir, server_round, {**groups, "_rng": rng_arrays},
-                            {**identity, "strategy_state": meta, "rng_state": rng_meta})
+                            {**identity, "strategy_state": meta, "rng_state": rng_meta,
+                             "cpu_capability": cpu_capability()})
     return latest
 
 

@@ -174,14 +174,25 @@ def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],
 def machine_description(device: str) -> dict[str, Any]:
     """The machine the run's numbers came from (the server's: in a simulation also the
     clients'): the same seed on another CPU, GPU or torch version may differ in the last
-    digits, so a table's per-seed values name it."""
+    digits, so a table's per-seed values name it. ``cpu_capability`` is the instruction set
+    torch's CPU kernels use (``AVX512``, ``AVX2``, ...): the same code and seed on an AVX2 and
+    an AVX512 machine differ by ~1e-8 after a few rounds, and by test images after hundreds
+    (docs/reliability.md), while a virtual machine's CPU model often says only "AMD EPYC"."""
     import platform
 
     import torch
 
     gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
     return {"torch": torch.__version__, "gpu": gpu, "cpu": _cpu_model() or platform.machine(),
-            "cpu_count": os.cpu_count()}
+            "cpu_capability": cpu_capability(), "cpu_count": os.cpu_count()}
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here (``AVX512``, ``AVX2``, ...); a
+    checkpoint records it too, so a resume on another one says so (server/checkpoint.py)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def _cpu_model() -> str:
