@@ -20,9 +20,7 @@ from server.summary import machine_description
 
 def test_the_summary_names_the_instruction_set_torch_used() -> None:
     machine = machine_description("cpu")
-    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert machine["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NEON", "SVE256", "VSX") \
-        or machine["cpu_capability"].startswith(("AVX", "SVE"))
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() != ""
     assert machine["gpu"] is None and machine["torch"] == torch.__version__
 
 
