@@ -93,9 +93,7 @@ def main() -> None:
         ap.error(f"--nodes and --kb must be >= 1 and --rounds >= 2 (the median is of rounds 2 on), got "
                  f"{ARGS.nodes}, {ARGS.kb}, {ARGS.rounds}")
     if not ARGS.flower_loop:
-        import flwr.server.superlink.fleet.vce.vce_api  # noqa: F401  (the engine, loaded as run_simulation loads it)
-
-        if not engine_waits_for_messages():
+        if not engine_waits_for_messages(load=True):
             raise SystemExit("this Flower's simulation engine is not the one pflower's loop replaces")
     workers = os.cpu_count() or 1
     run_simulation(server_app, client_app, num_supernodes=ARGS.nodes,

@@ -266,17 +266,17 @@ def bench_aggregation(sizes: list[tuple[int, int]]) -> str:
 # ---------------------------------------------------------------------------------- (c)
 def bench_bytes(methods: list[str]) -> str:
     from flwr.app import Context, Message, MessageType, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
 
     from client import app as client_app
     from common.config import compose_config, run_settings
+    from common.flower_compat import set_task_identity
     from learning.data import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
     from server.results import RunRecorder
     from tests.helpers import FakeGrid
 
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    set_task_identity(1, 0, 0)
     logging.getLogger("flwr").setLevel(logging.WARNING)   # keep the tables readable
     rows = ["| method | model parameters | model state bytes | bytes down / client | bytes up / client | "
             "up / model state |", "|---|---|---|---|---|---|"]

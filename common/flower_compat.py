@@ -1,11 +1,20 @@
-"""Every use of Flower 1.39's internals, in one place, behind one version check.
+"""Every use of Flower's internals, in one place, behind one version check.
 
 pflower uses Flower's public API (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``,
-``flwr.simulation``) everywhere else. What the public API does not offer, and a deployment
-needs, is done here; each item names Flower's file it depends on and why it is needed.
-Another Flower minor release may move or change any of them, so :func:`check_flower_version`
-refuses to start on one (``pflower`` calls it before starting anything); the project pins
-``flwr>=1.39,<1.40`` for the same reason.
+``flwr.simulation``, ``flwr.common.logger``) everywhere else (``tests/test_flower_compat.py``
+fails on any other ``flwr`` import outside this module). What the public API does not offer,
+and a deployment needs, is done here; each item names Flower's file it depends on and why it is
+needed. Written for, and tested on, two minor releases: **1.42** (what a fresh install resolves;
+its Fleet API is HTTP on the SuperLink's one uvicorn port) and **1.39** (the last whose Fleet API
+is gRPC). Every item below was re-read against both wheels: the files each names are the same
+path in both, and all of them still apply on 1.42 (``http_grid.py`` still sleeps 3 s between
+pulls, ``start_client_internal.py`` still sleeps 3 s and 0.5 s and lets
+``RunNotRunningException`` escape its message pull, ``InMemoryLinkState.get_message_ins``
+still scans; 1.42's new destination-indexed message table is called by nothing). What differs
+between the two releases is the Fleet transport only: :func:`fleet_over_http`. Another minor
+release may move or change any of them, so :func:`check_flower_version` refuses to start on one
+(``pflower`` calls it before starting anything); ``bench/next_flower.py`` reports, for the
+newest Flower the package index serves, which items no longer apply.
 
 1. :func:`send_and_receive`: replies pulled every 0.1 s from a deployment's grid
    (``flwr/superlink/grid/http_grid.py`` sleeps 3 s between pulls).
@@ -37,6 +46,15 @@ refuses to start on one (``pflower`` calls it before starting anything); the pro
     several clients' messages (``common/bundles.py``) need of a message's metadata and of the
     simulation's error replies (``flwr/superlink/grid/inmemory_grid.py``,
     ``flwr/simulation/ray_transport/ray_actor.py``, ``flwr/server/superlink/fleet/vce/vce_api.py``).
+13. :func:`message_to_bytes`, :func:`message_from_bytes`, :func:`context_to_bytes`,
+    :func:`context_from_bytes`: a task's Message and Context moved to another process as Flower
+    moves them (``flwr/supercore/inflatable/``, ``flwr/common/serde.py``, ``flwr/proto/message_pb2``),
+    for ``pflower-supernode``'s runner (``ops/node/runner.py``).
+14. :func:`task_identity`, :func:`set_task_identity`, :func:`install_fab`,
+    :func:`load_fab_clientapp`: what that runner does per task as Flower's runner does
+    (``flwr/supercore/task_identity.py``, ``flwr/cli/install.py``, ``flwr/clientapp/utils.py``).
+15. :func:`parse_node_config`: a ``--node-config`` string parsed as ``flower-supernode`` parses it
+    (``flwr/common/config.py``).
 """
 
 from __future__ import annotations
@@ -52,11 +70,15 @@ from logging import ERROR, WARNING
 from types import SimpleNamespace
 from typing import Any
 
-FLOWER_SERIES = "1.39"   # the Flower minor release these patches are written for
+# The Flower minor releases these items are written for and CI tests: 1.42 (what a fresh install
+# resolves, its Fleet API over HTTP) and 1.39 (the last whose Fleet API is gRPC). 1.40 and 1.41
+# are not tested, so they are refused.
+FLOWER_SERIES = ("1.42", "1.39")
+FLOWER_REQUIREMENT = "flwr[simulation]>=1.39,<1.43"
 
 
 class FlowerVersionError(RuntimeError):
-    """The installed Flower is not the release pflower's patches to its internals were written for."""
+    """The installed Flower is not a release pflower's patches to its internals were written for."""
 
 
 def installed_flower_version() -> str:
@@ -66,14 +88,28 @@ def installed_flower_version() -> str:
         return "none"
 
 
-def check_flower_version(installed: str | None = None) -> None:
-    """Refuse to run on a Flower other than ``FLOWER_SERIES``.x, naming the fix."""
+def flower_series(installed: str | None = None) -> str:
+    """The installed Flower's minor release, e.g. ``"1.42"`` (``"none"`` when not installed)."""
     version = installed if installed is not None else installed_flower_version()
-    if version.split(".")[:2] != FLOWER_SERIES.split("."):
+    return ".".join(version.split(".")[:2])
+
+
+def fleet_over_http(installed: str | None = None) -> bool:
+    """Whether this Flower's Fleet API (what SuperNodes connect to) is HTTP on the SuperLink's one
+    uvicorn port (1.40 and later: ``flwr/superlink/routers/fleet/``,
+    ``flwr/supernode/fleet_http_connection.py``) rather than gRPC on a port of its own (1.39)."""
+    return flower_series(installed) != "1.39"
+
+
+def check_flower_version(installed: str | None = None) -> None:
+    """Refuse to run on a Flower other than one of ``FLOWER_SERIES``, naming the fix."""
+    version = installed if installed is not None else installed_flower_version()
+    if flower_series(version) not in FLOWER_SERIES:
         raise FlowerVersionError(
-            f"pflower needs Flower {FLOWER_SERIES}.x (it adapts Flower's internals in "
-            f"common/flower_compat.py for that release); installed: flwr {version}. "
-            f"Install it with: python3 -m pip install 'flwr[simulation]>={FLOWER_SERIES},<1.40'")
+            f"pflower needs Flower {' or '.join(s + '.x' for s in FLOWER_SERIES)} (it adapts "
+            f"Flower's internals in common/flower_compat.py for those releases); installed: flwr "
+            f"{version}. Install it with: python3 -m pip install '{FLOWER_REQUIREMENT}' (1.42; "
+            f"'flwr[simulation]>=1.39,<1.40' for 1.39, whose Fleet API is gRPC)")
 
 
 # ---------------------------------------------------------------------- 1. the server's grid
@@ -413,14 +449,17 @@ def _add_messages_to_queue(state: Any, queue: Any, nodes_mapping: Any, f_stop: t
             wait_for_an_instruction(seen)
 
 
-def engine_waits_for_messages() -> bool:
+def engine_waits_for_messages(load: bool = False) -> bool:
     """Install :func:`_add_messages_to_queue` as the simulation engine's pass loop, where the
     engine is loaded in this process and has not started it yet (the engine loads the
-    ClientApp, ``client/app.py``, before it starts its threads: that import calls this). False
-    where there is no engine here, or its loop is not the one this replaces."""
+    ClientApp, ``client/app.py``, before it starts its threads: that import calls this; a
+    caller that starts the engine itself, ``bench/handoff.py``, loads it first with ``load``).
+    False where there is no engine here, or its loop is not the one this replaces."""
     import inspect
     import sys
 
+    if load:
+        import flwr.server.superlink.fleet.vce.vce_api  # noqa: F401  (as run_simulation loads it)
     vce = sys.modules.get("flwr.server.superlink.fleet.vce.vce_api")
     loop = getattr(vce, "add_messages_to_queue", None)
     if loop is None:
@@ -644,3 +683,160 @@ def engine_error_reason(ex: BaseException) -> str:
 
     wrapped = ClientAppException(str(ex))
     return str(type(wrapped)) + ":<'" + str(wrapped) + "'>"
+
+
+# ---------------------------------------------------------------------- 13. messages as bytes
+# pflower-supernode's runner (ops/node/runner.py) hands a task whose FAB is not this
+# installation's code to a process of its own, and moves the Message there the way Flower moves
+# it between processes: as its inflatable objects, no pickle
+# (``flwr/supercore/inflatable/inflatable_object.py``, ``inflatable_utils.py``; 1.39 and 1.42 alike).
+def message_to_bytes(message: Any) -> bytes:
+    """A Message as a JSON header (root object id, object ids and sizes) and its objects' bytes."""
+    import json
+    import struct
+
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    objects = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    header = json.dumps({"root": message.object_id, "ids": list(objects),
+                         "sizes": [len(b) for b in objects.values()]}).encode()
+    return struct.pack("<Q", len(header)) + header + b"".join(objects.values())
+
+
+def message_from_bytes(data: bytes) -> Any:
+    """The Message :func:`message_to_bytes` wrote, with its message id (as Flower's runner gives
+    a pulled message its id, which a reply names)."""
+    import json
+    import struct
+
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    (size,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + size])
+    contents, offset = {}, 8 + size
+    for oid, n in zip(header["ids"], header["sizes"], strict=True):
+        contents[oid] = data[offset:offset + n]
+        offset += n
+    message = inflate_object_from_contents(header["root"], contents)
+    if not isinstance(message, Message):
+        raise TypeError(f"expected a Message, the data holds a {type(message).__name__}")
+    message.metadata.__dict__["_message_id"] = header["root"]
+    return message
+
+
+def context_to_bytes(context: Any) -> bytes:
+    """A ClientApp's Context as Flower stores it (``flwr/common/serde.py``, ``flwr/proto/message_pb2``)."""
+    from flwr.common.serde import context_to_proto
+
+    return context_to_proto(context).SerializeToString()
+
+
+def context_from_bytes(data: bytes) -> Any:
+    """The Context :func:`context_to_bytes` wrote."""
+    from flwr.common.serde import context_from_proto
+    from flwr.proto.message_pb2 import Context as ContextProto  # pylint: disable=E0611
+
+    proto = ContextProto()
+    proto.ParseFromString(data)
+    return context_from_proto(proto)
+
+
+# ---------------------------------------------------------------------- 14. a task's identity and FAB
+def task_identity() -> tuple[int, int, int]:
+    """(run id, node id, task id) of the task this process runs (``flwr/supercore/task_identity.py``:
+    Flower's runner sets them per task; a ClientApp's logs and heartbeats read them)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    return TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id
+
+
+def set_task_identity(run_id: int, node_id: int, task_id: int) -> None:
+    """Make this process run the task ``(run_id, node_id, task_id)``, as Flower's runner does."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+
+
+def install_fab(content: bytes) -> None:
+    """Install a FAB as a SuperNode does before it runs the FAB's ClientApp (``flwr/cli/install.py``)."""
+    from flwr.cli.install import install_from_fab
+
+    install_from_fab(content, skip_prompt=True)
+
+
+def load_fab_clientapp(fab_id: str, fab_version: str, fab_hash: str) -> Any:
+    """An installed FAB's ClientApp, loaded by Flower's loader (``flwr/clientapp/utils.py``)."""
+    from flwr.clientapp.utils import get_load_client_app_fn
+
+    return get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)(fab_id, fab_version, fab_hash)
+
+
+# ---------------------------------------------------------------------- 15. node config
+def parse_node_config(text: str) -> dict[str, Any]:
+    """A SuperNode's ``--node-config`` string parsed exactly as ``flower-supernode`` parses it
+    (``flwr/common/config.py: parse_config_args``)."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args([text]))
+
+
+# ---------------------------------------------------------------------- the next release
+def _item_4_8() -> bool:
+    import flwr.supernode.start_client_internal as loop
+    from flwr.supernode.cli import flower_supernode  # noqa: F401
+
+    return hasattr(loop, "time") and release_messages_of_stopped_runs(loop)
+
+
+def _item_5() -> bool:
+    from flwr.superlink.cli import flower_superlink  # noqa: F401
+
+    return True
+
+
+def _item_6() -> bool:
+    from flwr.supernode.cli.flwr_clientapp import _parse_args_run_flwr_clientapp  # noqa: F401
+    from flwr.supernode.runtime import run_clientapp
+
+    return all(hasattr(run_clientapp, n) for n in ("pull_task_input", "push_message", "push_task_output"))
+
+
+def _items_13_15() -> bool:
+    import flwr.cli.install  # noqa: F401
+    import flwr.clientapp.utils  # noqa: F401
+    import numpy as np
+    from flwr.app import ArrayRecord, Context, Message, RecordDict
+
+    set_task_identity(1, 0, 0)
+    sent = Message(RecordDict({"a": ArrayRecord([np.zeros(2)])}), dst_node_id=1, message_type="train")
+    back = message_from_bytes(message_to_bytes(sent))
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    context_from_bytes(context_to_bytes(context))
+    return (back.content["a"]["0"].numpy().shape == (2,)
+            and parse_node_config('partition-id=0 state-dir="/x"') == {"partition-id": 0, "state-dir": "/x"})
+
+
+def item_report() -> list[tuple[str, bool, str]]:
+    """Each item applied (or imported and exercised) in this process, on the installed Flower:
+    (item, applies, why not). ``bench/next_flower.py`` runs it on the next release."""
+    checks: list[tuple[str, Callable[[], bool]]] = [
+        ("1 replies pulled every 0.1 s (http_grid.py, inmemory_grid.py)",
+         lambda: all(c is not None for c in _grid_classes())),
+        ("2 object-pull back-off (inflatable_utils.py)", shorten_object_pull_backoff),
+        ("3 task heartbeat TTL (corestate/*_corestate.py)", lengthen_task_heartbeat_ttl),
+        ("4, 8 SuperNode loop's sleeps, stopped runs (start_client_internal.py)", _item_4_8),
+        ("5 SuperLink entry point (superlink/cli/flower_superlink.py)", _item_5),
+        ("6 one ClientApp task (runtime/run_clientapp.py, cli/flwr_clientapp.py)", _item_6),
+        ("7 indexed message lookup (in_memory_linkstate.py)", index_undelivered_messages),
+        ("9 the engine's pass loop (fleet/vce/vce_api.py)", lambda: engine_waits_for_messages(load=True)),
+        ("13-15 messages, contexts, task identity, FAB, node config", _items_13_15),
+    ]
+    rows = []
+    for name, check in checks:
+        try:
+            ok, why = bool(check()), "its function returned False (its warning says why)"
+        except Exception as ex:   # an import or a signature that moved: what the report is for
+            ok, why = False, f"{type(ex).__name__}: {ex}"
+        rows.append((name, ok, "" if ok else why))
+    return rows

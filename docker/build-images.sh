@@ -14,6 +14,9 @@
 #   TORCH_WHEEL    a local CPU torch wheel for the base (default: the first
 #                  torch-*+cpu-cp311-*.whl in PIP_FIND_LINKS or /opt/wheels; none: torch comes
 #                  from TORCH_INDEX_URL, PyTorch's CPU index)
+#   FLWR_SPEC      the Flower release in pflower's images (default: empty, the newest that
+#                  pyproject.toml allows, 1.42; FLWR_SPEC='flwr[simulation]==1.39.0' for 1.39,
+#                  whose Fleet API is gRPC: then start compose with PFLOWER_FLEET_PORT=9092)
 #   CA_BUNDLE      the certificate authorities pip trusts in the images (default: the host's
 #                  /etc/ssl/certs/ca-certificates.crt: a TLS proxy's authority comes with it)
 # Needs root (debootstrap) and a Docker daemon. Needs no Docker Hub.
@@ -96,6 +99,7 @@ fi
 for role in superlink supernode; do
     say "building pflower-$role"
     docker build -q -f "$REPO/docker/Dockerfile.$role" -t "pflower-$role" \
-        --build-arg BASE_IMAGE=pflower-base:bookworm --build-arg TORCH_INDEX_URL= "$REPO" >/dev/null
+        --build-arg BASE_IMAGE=pflower-base:bookworm --build-arg TORCH_INDEX_URL= \
+        --build-arg "FLWR_SPEC=${FLWR_SPEC:-}" "$REPO" >/dev/null
 done
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^pflower-' | sed 's/^/build-images: /'

@@ -81,6 +81,8 @@ def test_superlink_service_matches_deploy(mode):
     compose = CASES[mode]()
     link = compose["services"][SUPERLINK_SERVICE]
     assert link["command"] == container_superlink_command(mode)
+    # no --fleet-api-address: deprecated on Flower 1.42, and 1.39's default is 0.0.0.0:FLEET_PORT
+    assert "--fleet-api-address" not in link["command"]
     # published on loopback unless PFLOWER_BIND says otherwise
     assert set(link["ports"]) == {f"${{PFLOWER_BIND:-127.0.0.1}}:{FLEET_PORT}:{FLEET_PORT}",
                                   f"${{PFLOWER_BIND:-127.0.0.1}}:{CONTROL_PORT}:{CONTROL_PORT}"}
@@ -113,7 +115,8 @@ def test_supernode_services_match_deploy(mode):
         assert SUPERLINK_SERVICE in svc["depends_on"] and svc["restart"] == "on-failure"
         assert "ports" not in svc  # SuperNodes only dial out
         cmd = svc["command"]
-        assert cmd[cmd.index("--superlink") + 1] == f"{SUPERLINK_SERVICE}:{FLEET_PORT}"
+        # Flower 1.42's HTTP Fleet API unless PFLOWER_FLEET_PORT names 1.39's gRPC one
+        assert cmd[cmd.index("--superlink") + 1] == f"{SUPERLINK_SERVICE}:${{PFLOWER_FLEET_PORT:-{CONTROL_PORT}}}"
         cfg = parse_node_config(cmd[cmd.index("--node-config") + 1])
         assert set(cfg) <= set(deploy.NODE_CONFIG_KEYS)
         assert cfg["partition-id"] == i and cfg["num-partitions"] == n

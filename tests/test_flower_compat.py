@@ -3,6 +3,7 @@ reaches into them, and another Flower release is refused before anything starts.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,16 +27,61 @@ def test_only_the_compat_module_touches_flowers_internals() -> None:
     assert offenders == [], "Flower internals used outside common/flower_compat.py: " + ", ".join(offenders)
 
 
-@pytest.mark.parametrize("version", ["1.38.0", "1.40.0", "2.0.0", "none"])
+# Flower's public API: what its docs present to app authors (1.39 and 1.42 alike). A submodule of
+# one of these (``flwr.app.error``) is Flower's own layout, not its API.
+PUBLIC_FLOWER = {"flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
+                 "flwr.simulation", "flwr.common.logger"}
+SOURCE_DIRS = ("client", "common", "learning", "strategies", "server", "ops", "bench")
+
+
+def flower_imports(path: Path) -> list[tuple[str, int]]:
+    """Every ``flwr`` module a file imports (TYPE_CHECKING blocks and function bodies included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(name, node.lineno) for name in names if name.split(".")[0] == "flwr"]
+    return found
+
+
+def test_no_flower_module_but_the_public_ones_outside_the_compat_module() -> None:
+    offenders = [f"{path.relative_to(REPO)}:{line} imports {module}"
+                 for folder in SOURCE_DIRS for path in sorted((REPO / folder).rglob("*.py"))
+                 if path != REPO / "common" / "flower_compat.py"
+                 for module, line in flower_imports(path) if module not in PUBLIC_FLOWER]
+    assert offenders == [], ("Flower internals outside common/flower_compat.py (give each a compat "
+                             "item naming Flower's file): " + "; ".join(offenders))
+
+
+def test_the_boundary_check_sees_an_internal_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from flwr.supercore.task_identity import TaskIdentity\n"
+                     "def f():\n    import flwr.common.serde\n    from flwr.app import Message\n")
+    assert [m for m, _ in flower_imports(probe) if m not in PUBLIC_FLOWER] == [
+        "flwr.supercore.task_identity", "flwr.common.serde"]
+
+
+@pytest.mark.parametrize("version", ["1.38.0", "1.40.0", "1.41.2", "1.43.0", "2.0.0", "none"])
 def test_another_flower_is_refused_by_name(version: str) -> None:
-    with pytest.raises(flower_compat.FlowerVersionError, match=rf"needs Flower 1\.39\.x.*installed: flwr {version}"):
+    with pytest.raises(flower_compat.FlowerVersionError,
+                       match=rf"needs Flower 1\.42\.x or 1\.39\.x.*installed: flwr {version}"):
         flower_compat.check_flower_version(version)
 
 
-def test_this_flower_is_accepted() -> None:
-    flower_compat.check_flower_version("1.39.0")
-    flower_compat.check_flower_version("1.39.7")
-    flower_compat.check_flower_version()     # the installed one (the project pins 1.39)
+@pytest.mark.parametrize("version", ["1.39.0", "1.39.7", "1.42.0", "1.42.3"])
+def test_the_tested_releases_are_accepted(version: str) -> None:
+    flower_compat.check_flower_version(version)
+
+
+def test_the_installed_flower_is_accepted_and_its_fleet_transport_known() -> None:
+    flower_compat.check_flower_version()     # CI runs one lane on each supported release
+    assert flower_compat.fleet_over_http() == (flower_compat.flower_series() == "1.42")
+    assert flower_compat.fleet_over_http("1.42.0") and not flower_compat.fleet_over_http("1.39.0")
 
 
 def test_pflower_says_so_before_starting_anything(monkeypatch: pytest.MonkeyPatch,
@@ -46,7 +92,7 @@ def test_pflower_says_so_before_starting_anything(monkeypatch: pytest.MonkeyPatc
     assert cli.main(["run", "rounds=1"]) == 2
     assert started == []
     err = capsys.readouterr().err
-    assert "installed: flwr 1.40.1" in err and "pip install 'flwr[simulation]>=1.39,<1.40'" in err
+    assert "installed: flwr 1.40.1" in err and "pip install 'flwr[simulation]>=1.39,<1.43'" in err
 
 
 def test_the_indexed_message_lookup_answers_as_flowers_scan() -> None:
@@ -213,7 +259,9 @@ def _receive_a_message_of_a_run_that_stops(loop: object) -> tuple[int, list[str]
     loop._pull_and_store_message(  # type: ignore[attr-defined]
         state=state, object_store=factory.store(), node_config={}, receive=lambda: (msg, get_object_tree(msg)),
         get_run=None, get_fab=None, pull_object=stopped, confirm_message_received=None, trusted_entities=None)
-    return len(state.get_messages(run_ids=[7])), [t.status.status for t in state.get_tasks(run_ids=[7])]
+    # NodeState.get_messages (1.39) is get_messages_legacy on 1.42
+    get_messages = getattr(state, "get_messages_legacy", None) or state.get_messages
+    return len(get_messages(run_ids=[7])), [t.status.status for t in state.get_tasks(run_ids=[7])]
 
 
 def test_a_message_whose_run_stops_while_it_is_received_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:

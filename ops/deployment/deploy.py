@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import flower_compat
 from ops.deployment.launch import (
     APP_DIR,
     FEDERATION,
@@ -54,8 +55,12 @@ from ops.deployment.launch import (
 # Node-config keys the ClientApp reads (client/handlers.py, client/identity.py).
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "client-id", "state-dir", "data-root")
 # Ports used inside containers and in the README's multi-machine guide.
-FLEET_PORT = 9092      # Fleet API (gRPC grpc-rere): SuperNodes connect here
-CONTROL_PORT = 9093    # Control API (HTTP, 1.39): `flwr run` / `flwr supernode register`
+FLEET_PORT = 9092      # Fleet API on Flower 1.39 (gRPC grpc-rere): SuperNodes connect here
+CONTROL_PORT = 9093    # HTTP: Control API (`flwr run`, `flwr supernode register`), and on
+                       # Flower 1.42 the Fleet API too: SuperNodes connect here
+# The SuperNodes' address of the SuperLink in the containers: one compose file for both
+# releases, PFLOWER_FLEET_PORT=9092 for images built with Flower 1.39 (docker/build-images.sh).
+CONTAINER_FLEET_PORT = f"${{PFLOWER_FLEET_PORT:-{CONTROL_PORT}}}"
 SUPERNODE_PORT = 9094  # each SuperNode's own runtime API (ClientApp processes; local only)
 MODES = ("tls", "insecure")
 
@@ -77,9 +82,7 @@ def node_config(partition_id: int, num_partitions: int, state_dir: str | Path | 
 
 def parse_node_config(text: str) -> dict[str, Any]:
     """Parse a ``--node-config`` string exactly as ``flower-supernode`` does."""
-    from flwr.common.config import parse_config_args
-
-    return dict(parse_config_args([text]))
+    return flower_compat.parse_node_config(text)
 
 
 def superlink_tls_args(certs: Path) -> list[str]:
@@ -115,7 +118,7 @@ def container_superlink_command(mode: str) -> list[str]:
     """The SuperLink container's command: deployment mode, listening on all interfaces, as
     ``pflower-superlink`` (Flower's SuperLink with the 10-minute task heartbeat that ``pflower
     deploy`` gives its own, ``common/flower_compat.py`` item 3)."""
-    link = SuperLink(simulation=False, host="0.0.0.0", insecure=mode == "insecure",
+    link = SuperLink(simulation=False, host="0.0.0.0", insecure=mode == "insecure", grpc_fleet=False,
                      fleet_port=FLEET_PORT, http_port=CONTROL_PORT, workdir=Path(CONTAINER_STATE),
                      extra_args=superlink_tls_args(Path(CONTAINER_CERTS)) if mode == "tls" else ())
     return ["pflower-superlink", *link.args()]
@@ -125,7 +128,7 @@ def container_supernode_command(index: int, num_nodes: int, mode: str) -> list[s
     """SuperNode ``index``'s container command: its partition, its own /data and /state."""
     certs = Path(CONTAINER_CERTS)
     return supernode_command(
-        f"{SUPERLINK_SERVICE}:{FLEET_PORT}", node_config(index, num_nodes, CONTAINER_STATE, CONTAINER_DATA),
+        f"{SUPERLINK_SERVICE}:{CONTAINER_FLEET_PORT}", node_config(index, num_nodes, CONTAINER_STATE, CONTAINER_DATA),
         SUPERNODE_PORT, certs / "ca.crt" if mode == "tls" else None,
         certs / f"supernode-{index}" if mode == "tls" else None, exe="pflower-supernode")
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import psutil
 
+from common.flower_compat import fleet_over_http
+
 APP_DIR = Path(__file__).resolve().parents[2]
 FEDERATION = "pflower"
 
@@ -176,17 +178,23 @@ class SuperLink:
     insecure: bool = True
     fleet_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    # Flower 1.39's Fleet API is gRPC on ``fleet_port`` (``--fleet-api-address``); 1.42's is HTTP
+    # on ``http_port`` and the flag is deprecated. False leaves the flag out (1.39 then listens
+    # on its default, 0.0.0.0:9092: the containers' command, good for both releases).
+    grpc_fleet: bool = field(default_factory=lambda: not fleet_over_http())
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-link-")))
     proc: subprocess.Popen | None = None
 
     @property
     def control_address(self) -> str:
-        """Flower 1.39 serves the Control API on the runtime HTTP port."""
+        """Flower serves the Control API on the SuperLink's HTTP port (1.39 and 1.42)."""
         return f"{self.host}:{self.http_port}"
 
     @property
     def fleet_address(self) -> str:
-        return f"{self.host}:{self.fleet_port}"
+        """Where SuperNodes connect: the HTTP port on Flower 1.42 (its Fleet API is HTTP there),
+        a gRPC port of its own on 1.39 (``--fleet-api-address``)."""
+        return f"{self.host}:{self.fleet_port}" if self.grpc_fleet else self.control_address
 
     def command(self) -> list[str]:
         """``python -m ops.node.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
@@ -198,9 +206,10 @@ class SuperLink:
         cmd = []
         if self.insecure:
             cmd.append("--insecure")
-        cmd += ["--isolation", "subprocess",
-                "--fleet-api-address", f"{self.host}:{self.fleet_port}",
-                "--host", self.host, "--port", str(self.http_port),
+        cmd += ["--isolation", "subprocess"]
+        if self.grpc_fleet:   # 1.39: the gRPC Fleet API on a port of its own
+            cmd += ["--fleet-api-address", f"{self.host}:{self.fleet_port}"]
+        cmd += ["--host", self.host, "--port", str(self.http_port),
                 "--database", str(self.workdir / "state.db"),
                 "--disable-runtime-dependency-installation"]
         if self.simulation:

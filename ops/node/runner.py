@@ -47,7 +47,18 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from common.flower_compat import run_clientapp_task, shorten_object_pull_backoff
+from common.flower_compat import (
+    context_from_bytes,
+    context_to_bytes,
+    install_fab,
+    load_fab_clientapp,
+    message_from_bytes,
+    message_to_bytes,
+    run_clientapp_task,
+    set_task_identity,
+    shorten_object_pull_backoff,
+    task_identity,
+)
 from common.timing import profiled, timing_enabled
 from ops.deployment.launch import pid_alive
 
@@ -179,31 +190,10 @@ def run_task(argv: list[str], app: Any, lock: threading.Lock) -> int:
 
 # ---------------------------------------------------------------------- another FAB's code
 # A Message crosses to that process the way Flower moves it between processes: as its
-# objects (``deflate``/``inflate``, no pickle), framed as a JSON header and the bytes.
-def encode_message(message: Any) -> bytes:
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-
-    objects = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
-    header = json.dumps({"root": message.object_id, "ids": list(objects),
-                         "sizes": [len(b) for b in objects.values()]}).encode()
-    return struct.pack("<Q", len(header)) + header + b"".join(objects.values())
-
-
-def decode_message(data: bytes) -> Any:
-    from flwr.app import Message
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-
-    (size,) = struct.unpack_from("<Q", data)
-    header = json.loads(data[8:8 + size])
-    contents, offset = {}, 8 + size
-    for oid, n in zip(header["ids"], header["sizes"], strict=True):
-        contents[oid] = data[offset:offset + n]
-        offset += n
-    message = inflate_object_from_contents(header["root"], contents)
-    if not isinstance(message, Message):
-        raise TypeError(f"expected a Message, the data holds a {type(message).__name__}")
-    message.metadata.__dict__["_message_id"] = header["root"]   # as Flower's runner does
-    return message
+# objects (``deflate``/``inflate``, no pickle), framed as a JSON header and the bytes
+# (common/flower_compat.py item 13).
+encode_message = message_to_bytes
+decode_message = message_from_bytes
 
 
 def _frames(*parts: bytes) -> bytes:
@@ -222,49 +212,33 @@ def _unframe(data: bytes) -> list[bytes]:
 def run_in_fab_process(fab: Any, run: Any, message: Any, context: Any) -> tuple[Any, Any]:
     """Run a FAB that is not this installation's code as Flower would: installed, loaded
     by Flower's loader, in a process of its own (``--one-task``)."""
-    from flwr.cli.install import install_from_fab
-    from flwr.common.serde import context_from_proto, context_to_proto
-    from flwr.supercore.task_identity import TaskIdentity
-
-    install_from_fab(fab.content, skip_prompt=True)
-    request = _frames(json.dumps([run.fab_id, run.fab_version, fab.hash_str, TaskIdentity.run_id,
-                                  TaskIdentity.node_id, TaskIdentity.task_id]).encode(),
-                      encode_message(message), context_to_proto(context).SerializeToString())
+    install_fab(fab.content)
+    request = _frames(json.dumps([run.fab_id, run.fab_version, fab.hash_str, *task_identity()]).encode(),
+                      encode_message(message), context_to_bytes(context))
     out = subprocess.run([sys.executable, "-m", "ops.node.runner", "--one-task"], input=request,
                          capture_output=True, cwd="/", check=False)
     sys.stderr.write(out.stderr.decode(errors="replace"))
     if out.returncode != 0:
         raise RuntimeError(f"the FAB's ClientApp process exited with code {out.returncode}; its output "
                            "is above in this SuperNode's log")
-    from flwr.proto.message_pb2 import Context as ContextProto  # pylint: disable=E0611
-
     reply_bytes, context_bytes = _unframe(out.stdout)
-    proto = ContextProto()
-    proto.ParseFromString(context_bytes)
-    return decode_message(reply_bytes), context_from_proto(proto)
+    return decode_message(reply_bytes), context_from_bytes(context_bytes)
 
 
 def one_task() -> None:
     """``--one-task``: load the FAB's ClientApp with Flower's loader and run one message
     (stdin: identity, message, context; stdout: reply, context). An exception fails the
     process, as in Flower's runner."""
-    from flwr.clientapp.utils import get_load_client_app_fn
-    from flwr.common.serde import context_from_proto, context_to_proto
-    from flwr.proto.message_pb2 import Context as ContextProto  # pylint: disable=E0611
-    from flwr.supercore.task_identity import TaskIdentity
-
     ident, message_bytes, context_bytes = _unframe(sys.stdin.buffer.read())
     fab_id, fab_version, fab_hash, run_id, node_id, task_id = json.loads(ident)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+    set_task_identity(run_id, node_id, task_id)
     message = decode_message(message_bytes)
-    proto = ContextProto()
-    proto.ParseFromString(context_bytes)
-    context = context_from_proto(proto)
+    context = context_from_bytes(context_bytes)
     for name in [m for m in sys.modules if m.split(".")[0] in CODE_DIRS]:
         del sys.modules[name]   # the FAB's packages of these names, not this installation's
-    app = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)(fab_id, fab_version, fab_hash)
+    app = load_fab_clientapp(fab_id, fab_version, fab_hash)
     reply = app(message=message, context=context)
-    sys.stdout.buffer.write(_frames(encode_message(reply), context_to_proto(context).SerializeToString()))
+    sys.stdout.buffer.write(_frames(encode_message(reply), context_to_bytes(context)))
 
 
 # ---------------------------------------------------------------------- the runner
