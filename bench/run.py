@@ -11,8 +11,9 @@
     propagation for K clients and d parameters: seconds, ratio to FedAvg, peak extra memory.
 (c) ``bytes``: bytes down / up per client in one round of every method, from the real
     messages (the server loop and the ClientApp in this process, joined by a fake grid).
-(d) ``deploy``: seconds per round of ``pflower deploy`` (3 SuperNodes, gRPC) against
-    ``pflower run`` of the same experiment.
+(d) ``deploy``: seconds per round of ``pflower deploy`` (3 SuperNodes; over HTTP on Flower 1.42,
+    gRPC on 1.39) against ``pflower run`` of the same experiment, back to back;
+    ``--deploy-clients 3,8`` measures 8 SuperNodes too.
 
 ``--only a,b`` runs some sections. Every number comes from this run; nothing is cached.
 """
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -360,9 +362,29 @@ def pin_superlink(root: int) -> dict[str, int]:
     return pinned
 
 
-def bench_deploy(rounds: int, pin: bool = False) -> str:
+def _median_round(walls: list[float]) -> float:
+    """The median of consecutive rounds' wall times (a deployment's rounds vary with what else
+    two cores are doing; the median is what the issue's measurements use)."""
+    gaps = [b - a for a, b in zip(walls, walls[1:], strict=False)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def _deploy_config(clients: int) -> list[str]:
+    """deploy-3 for 3 clients; otherwise the default digits-domains with ``clients / 4`` clients
+    per domain (its 4 domains)."""
+    if clients == 3:
+        return ["experiment=deploy-3"]
+    if clients % 4:
+        raise SystemExit(f"--deploy-clients: {clients} is neither 3 nor a multiple of 4 (digits-domains' 4 domains)")
+    return [f"dataset.clients_per_domain={clients // 4}"]
+
+
+def bench_deploy(rounds: int, pin: bool = False, clients: int = 3) -> str:
+    from common.flower_compat import fleet_over_http, installed_flower_version
+
     marks: dict[int, dict[str, float]] = {}
     pinned: dict[str, int] = {}
+    config = _deploy_config(clients)
 
     def mark(pid: int, seen: int) -> None:
         if seen in (1, rounds):
@@ -372,18 +394,21 @@ def bench_deploy(rounds: int, pin: bool = False) -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         sim_metrics = Path(tmp) / "sim" / "metrics.jsonl"
-        _, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", f"rounds={rounds}",
+        _, sim = _stream_rounds([sys.executable, "-m", "ops.cli", "run", *config, f"rounds={rounds}",
                                  f"results_root={tmp}", "run_name=sim"], sim_metrics, rounds, 900)
         dep_metrics = Path(tmp) / "dep" / "metrics.jsonl"
         _, dep = _stream_rounds([sys.executable, "-m", "ops.cli", "deploy", "--mode", "insecure", "--workdir",
-                                 str(Path(tmp) / "work"), "experiment=deploy-3", f"rounds={rounds}",
-                                 f"results_root={tmp}", "run_name=dep"], dep_metrics, rounds, 1200, on_round=mark)
+                                 str(Path(tmp) / "work"), "--nodes", str(clients), *config, f"rounds={rounds}",
+                                 f"results_root={tmp}", "run_name=dep"], dep_metrics, rounds, 1800, on_round=mark)
     s, d = _per_round(sim), _per_round(dep)
+    sm, dm = _median_round(sim), _median_round(dep)
+    transport = "HTTP" if fleet_over_http() else "gRPC"
     lines = [
-        f"experiment=deploy-3 (3 clients, FedAvg, cnn), {rounds} rounds, everything on this machine.", "",
-        "| | pflower run (simulation) | pflower deploy (3 SuperNodes, gRPC, insecure) | ratio (target) |",
+        f"{' '.join(config)} ({clients} clients, FedAvg, cnn), {rounds} rounds, everything on this machine, "
+        f"Flower {installed_flower_version()}; per round = mean of rounds 2-{rounds} (median in brackets).", "",
+        f"| | pflower run (simulation) | pflower deploy ({clients} SuperNodes, {transport}, insecure) | ratio (target) |",
         "|---|---|---|---|",
-        f"| seconds per round | {s:.2f} | {d:.2f} | {d / s:.1f}x (<= 2x) |",
+        f"| seconds per round | {s:.2f} ({sm:.2f}) | {d:.2f} ({dm:.2f}) | {d / s:.1f}x ({dm / sm:.1f}x) (<= 2x) |",
     ]
     if pin:
         lines += ["", f"Deployment pinned after round 1 (`--pin-superlink`): the SuperLink's {pinned.get('superlink', 0)} "
@@ -407,6 +432,8 @@ def main() -> None:
     ap.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,b")
     ap.add_argument("--pin-superlink", action="store_true",
                     help="(d): after round 1, the SuperLink on CPU 0 and every other process on the rest")
+    ap.add_argument("--deploy-clients", default="3", metavar="N,...",
+                    help="(d): clients (= SuperNodes) of each deployment measured: 3 (deploy-3) or multiples of 4")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for (a), both sides, e.g. train.amp=true or train.compile=true")
     args = ap.parse_args()
@@ -435,7 +462,9 @@ def main() -> None:
 
         print("## (c) bytes per client per round\n\n" + bench_bytes(method_names()) + "\n", flush=True)
     if "d" in only:
-        print("## (d) deployment round\n\n" + bench_deploy(3 if args.quick else 5, args.pin_superlink) + "\n", flush=True)
+        print("## (d) deployment round\n", flush=True)
+        for clients in map(int, args.deploy_clients.split(",")):
+            print(bench_deploy(6 if args.quick else 10, args.pin_superlink, clients) + "\n", flush=True)
 
 
 if __name__ == "__main__":
