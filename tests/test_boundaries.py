@@ -2,7 +2,8 @@
 
 The layers are read from the "Layers" table of docs/architecture.md itself (its "may import"
 column), so the document and the check cannot disagree; there is no list of exceptions.
-Imports under ``if TYPE_CHECKING:`` are type hints only and are not counted.
+Imports under ``if TYPE_CHECKING:`` are type hints only and are not counted. And Flower's
+internals: no module but Flower's public ones is imported outside ``common/flower_compat.py``.
 """
 
 from __future__ import annotations
@@ -109,3 +110,42 @@ def test_no_import_cycles_between_modules() -> None:
     for node in sorted(graph):
         visit(node, [], done)
     assert not cycles, "import cycles (counting imports inside functions):\n" + "\n".join(sorted(set(cycles)))
+
+
+# Flower's public API: what its docs present to app authors (1.39 and 1.42 alike). A submodule of
+# one of these (``flwr.app.error``) is Flower's own layout, not its API.
+PUBLIC_FLOWER = {"flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
+                 "flwr.simulation", "flwr.common.logger"}
+SOURCE_DIRS = ("client", "common", "learning", "strategies", "server", "ops", "bench")
+
+
+def flower_imports(path: Path) -> list[tuple[str, int]]:
+    """Every ``flwr`` module a file imports (TYPE_CHECKING blocks and function bodies included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(name, node.lineno) for name in names if name.split(".")[0] == "flwr"]
+    return found
+
+
+def test_no_flower_module_but_the_public_ones_outside_the_compat_module() -> None:
+    offenders = [f"{path.relative_to(REPO)}:{line} imports {module}"
+                 for folder in SOURCE_DIRS for path in sorted((REPO / folder).rglob("*.py"))
+                 if path != REPO / "common" / "flower_compat.py"
+                 for module, line in flower_imports(path) if module not in PUBLIC_FLOWER]
+    assert offenders == [], ("Flower internals outside common/flower_compat.py (give each a compat "
+                             "item naming Flower's file): " + "; ".join(offenders))
+
+
+def test_the_boundary_check_sees_an_internal_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from flwr.supercore.task_identity import TaskIdentity\n"
+                     "def f():\n    import flwr.common.serde\n    from flwr.app import Message\n")
+    assert [m for m, _ in flower_imports(probe) if m not in PUBLIC_FLOWER] == [
+        "flwr.supercore.task_identity", "flwr.common.serde"]

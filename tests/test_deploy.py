@@ -1,5 +1,6 @@
 """The loopback deployment: certificates, node-config, and real SuperLink + 3 SuperNodes runs
-over gRPC, insecure and TLS + SuperNode authentication, with a SuperNode killed and restarted
+over the installed Flower's Fleet API (HTTP on 1.42, gRPC on 1.39), insecure and TLS + SuperNode
+authentication, Flower's own CLIs running pflower with the simulation's numbers, with a SuperNode killed and restarted
 mid-run, an unregistered SuperNode refused, and every process stopped on Ctrl-C."""
 
 from __future__ import annotations
@@ -370,3 +371,29 @@ def _refuse_and_interrupt(proc: subprocess.Popen, work: Path, tmp_path: Path) ->
 
 def _port() -> int:
     return free_port()
+
+
+@pytest.mark.e2e
+def test_flowers_own_clis_run_pflower_over_tls_with_the_simulations_numbers(tmp_path):
+    """Flower's own ``flower-superlink`` and three ``flower-supernode`` (its 3 s idle waits and a
+    ``flwr-clientapp`` process per message, TLS + SuperNode authentication), the run submitted
+    with ``flwr run . pflower --stream``, as a Flower user does it on either release's own
+    transport (HTTP on 1.42, gRPC on 1.39); then the same configuration in the simulation
+    (``pflower run``): every client's accuracies the same, digit for digit."""
+    results = tmp_path / "results"
+    with Deployment(3, "tls", workdir=tmp_path / "work", stock=True) as dep:
+        assert "flower-superlink" in dep.link.command()[0]
+        assert all("flower-supernode" in node.command[0] for node in dep.nodes)
+        code = dep.run(_run_cfg("fedavg", "stock", results), timeout=900)
+        ok, why = run_result(results / "stock", 0, code)
+        assert ok, why + dep.logs()
+    deployed = _summary(results, "stock")
+    _check_summary(deployed, 2)
+    assert not _leftovers(tmp_path / "work")
+    sim = subprocess.run([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", "strategy=fedavg",
+                          "rounds=2", "run_name=sim", f"results_root={results}", *FAST],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert sim.returncode == 0, sim.stdout[-2000:] + sim.stderr[-2000:]
+    simulated = _summary(results, "sim")
+    assert deployed["clients"] == simulated["clients"]
+    assert deployed["accuracy_mean"] == simulated["accuracy_mean"]

@@ -3,7 +3,6 @@ reaches into them, and another Flower release is refused before anything starts.
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,45 +24,6 @@ def test_only_the_compat_module_touches_flowers_internals() -> None:
                  and path != Path(__file__).resolve()
                  for n, line in enumerate(path.read_text().splitlines(), 1) if INTERNALS.search(line)]
     assert offenders == [], "Flower internals used outside common/flower_compat.py: " + ", ".join(offenders)
-
-
-# Flower's public API: what its docs present to app authors (1.39 and 1.42 alike). A submodule of
-# one of these (``flwr.app.error``) is Flower's own layout, not its API.
-PUBLIC_FLOWER = {"flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
-                 "flwr.simulation", "flwr.common.logger"}
-SOURCE_DIRS = ("client", "common", "learning", "strategies", "server", "ops", "bench")
-
-
-def flower_imports(path: Path) -> list[tuple[str, int]]:
-    """Every ``flwr`` module a file imports (TYPE_CHECKING blocks and function bodies included)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        found += [(name, node.lineno) for name in names if name.split(".")[0] == "flwr"]
-    return found
-
-
-def test_no_flower_module_but_the_public_ones_outside_the_compat_module() -> None:
-    offenders = [f"{path.relative_to(REPO)}:{line} imports {module}"
-                 for folder in SOURCE_DIRS for path in sorted((REPO / folder).rglob("*.py"))
-                 if path != REPO / "common" / "flower_compat.py"
-                 for module, line in flower_imports(path) if module not in PUBLIC_FLOWER]
-    assert offenders == [], ("Flower internals outside common/flower_compat.py (give each a compat "
-                             "item naming Flower's file): " + "; ".join(offenders))
-
-
-def test_the_boundary_check_sees_an_internal_import(tmp_path: Path) -> None:
-    probe = tmp_path / "probe.py"
-    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                     "    from flwr.supercore.task_identity import TaskIdentity\n"
-                     "def f():\n    import flwr.common.serde\n    from flwr.app import Message\n")
-    assert [m for m, _ in flower_imports(probe) if m not in PUBLIC_FLOWER] == [
-        "flwr.supercore.task_identity", "flwr.common.serde"]
 
 
 @pytest.mark.parametrize("version", ["1.38.0", "1.40.0", "1.41.2", "1.43.0", "2.0.0", "none"])

@@ -177,6 +177,10 @@ class Deployment:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-deploy-")))
     data_root: str | None = None
     state_root: Path | None = None   # node i keeps client state in <state_root>/node-<i>
+    # Flower's own flower-superlink and flower-supernode (its 3 s idle wait, a ClientApp process
+    # per message), as a Flower user starts them, instead of pflower-superlink/-supernode
+    stock: bool = False
+    node_flags: Sequence[str] = ()   # more flags for every SuperNode (e.g. pflower-supernode's --no-runner)
     link: SuperLink | None = None
     nodes: list[SuperNode] = field(default_factory=list)
 
@@ -225,7 +229,7 @@ class Deployment:
             make_tls(self.certs, ["localhost", "127.0.0.1"])
             extra_args = superlink_tls_args(self.certs)
         self.link = SuperLink(simulation=False, insecure=not self.secure, extra_args=extra_args,
-                              workdir=self.workdir / "superlink")
+                              workdir=self.workdir / "superlink", stock=self.stock)
         self.link.workdir.mkdir(parents=True, exist_ok=True)
         write_flwr_config(self.flwr_home, self.link.control_address,
                           str(self.certs / "ca.crt") if self.secure else None)
@@ -240,7 +244,8 @@ class Deployment:
     def _node(self, index: int, config: str, key: Path | None, name: str = "") -> SuperNode:
         assert self.link is not None
         cmd = supernode_command(self.link.fleet_address, config, free_port(),
-                                self.certs / "ca.crt" if self.secure else None, key)
+                                self.certs / "ca.crt" if self.secure else None, key,
+                                exe=executable("flower-supernode") if self.stock else None) + list(self.node_flags)
         # the nodes share this machine's cores (each would take all of them: 3 nodes on 2
         # cores spent most of a round switching threads); OMP_NUM_THREADS set by the user wins
         threads = max(1, (os.cpu_count() or 1) // self.num_nodes)

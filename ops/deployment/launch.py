@@ -182,6 +182,7 @@ class SuperLink:
     # on ``http_port`` and the flag is deprecated. False leaves the flag out (1.39 then listens
     # on its default, 0.0.0.0:9092: the containers' command, good for both releases).
     grpc_fleet: bool = field(default_factory=lambda: not fleet_over_http())
+    stock: bool = False   # Flower's own ``flower-superlink`` (60 s task heartbeats), not pflower's
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pflower-link-")))
     proc: subprocess.Popen | None = None
 
@@ -198,7 +199,10 @@ class SuperLink:
 
     def command(self) -> list[str]:
         """``python -m ops.node.superlink`` (Flower's SuperLink with a 10-minute task heartbeat
-        timeout, ``common/flower_compat.py``) and :meth:`args`."""
+        timeout, ``common/flower_compat.py``) and :meth:`args`; Flower's own ``flower-superlink``
+        with ``stock``."""
+        if self.stock:
+            return [executable("flower-superlink"), *self.args()]
         return [sys.executable, "-m", "ops.node.superlink", *self.args()]
 
     def args(self) -> list[str]:
