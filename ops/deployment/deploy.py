@@ -1,6 +1,8 @@
-"""A real Flower deployment on this machine: one SuperLink, N SuperNodes, over gRPC.
+"""A real Flower deployment on this machine: one SuperLink, N SuperNodes, over the installed
+Flower's Fleet API (HTTP on the SuperLink's port on 1.42, gRPC ``grpc-rere`` on a port of its own
+on 1.39: ``common/flower_compat.py: fleet_over_http``).
 
-``pflower deploy`` starts ``flower-superlink`` in deployment mode (Fleet API ``grpc-rere``)
+``pflower deploy`` starts ``flower-superlink`` in deployment mode
 and one ``pflower-supernode`` (``ops/node/supernode.py``) per client, each in its own process group, each given its
 identity, data and state directory by ``--node-config``; submits one run per strategy with
 ``flwr run . pflower --stream``; checks every run wrote a fresh ``summary.json``; and stops
@@ -12,7 +14,7 @@ Modes:
   with ``--enable-supernode-auth``, each SuperNode's public key is registered with
   ``flwr supernode register`` and the SuperNode signs in with
   ``--auth-supernode-private-key``; a SuperNode whose key is not registered is refused.
-- ``insecure``: plain-text gRPC/HTTP, any SuperNode may join. Only when asked for.
+- ``insecure``: plain text, any SuperNode may join. Only when asked for.
 
 The node-config keys and container ports here are the single source of truth the
 ``docker/compose*.yml`` files are checked against (``tests/test_docker_compose.py``).
@@ -476,7 +478,7 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
 def add_parser(sub: Any) -> None:
     """Register ``pflower deploy`` on the CLI's subparsers."""
     d = sub.add_parser(
-        "deploy", help="run on a local multi-process deployment (SuperLink + SuperNodes, gRPC)",
+        "deploy", help="run on a local multi-process deployment (SuperLink + SuperNodes; HTTP on Flower 1.42, gRPC on 1.39)",
         description="Start one SuperLink and one SuperNode per client on loopback, run each "
                     "strategy (comma lists are swept, e.g. strategy=fedavg,fedbn), collect "
                     "summary.json, and stop every process.")
