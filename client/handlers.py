@@ -52,8 +52,44 @@ def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: st
     return root / client_id
 
 
+# config keys of an instruction that are round numbers: (smallest value, required)
+ROUND_KEYS = {"server-round": (1, True), "resume-round": (0, False), EVALUATE_ROUND: (1, False)}
+
+
+def check_instruction(msg: Message) -> None:
+    """Refuse a message that is not a pflower ServerApp's instruction before anything is
+    loaded or saved: its config record, its round numbers (whole numbers, not below their
+    least value) and its arrays record, each named with what was found."""
+    kind = msg.metadata.message_type
+    record = msg.content.config_records.get(CONFIG_KEY)
+    if record is None:
+        raise ValueError(f"the {kind} message has no {CONFIG_KEY!r} config record (records: "
+                         f"{sorted(msg.content.keys())}); only a pflower ServerApp of this version can instruct "
+                         "this ClientApp")
+    for key, (least, required) in ROUND_KEYS.items():
+        if key not in record:
+            if required:
+                raise ValueError(f"the {kind} message's config has no {key!r}; a pflower ServerApp always sends it")
+            continue
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"the {kind} message's {key!r} must be a whole number >= {least}, got {value!r}")
+    if ARRAYS_KEY not in msg.content.array_records:
+        raise ValueError(f"the {kind} message has no {ARRAYS_KEY!r} array record (records: "
+                         f"{sorted(msg.content.keys())}); the model it carries is missing")
+
+
+def check_payload(payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A payload with NaN or Inf would train into NaN (and say "lower the lr"): refused by name."""
+    bad = sorted(k for k, a in payload.items() if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)))
+    if bad:
+        raise ValueError(f"the server's arrays {bad[:3]} contain NaN or Inf; nothing was trained or saved")
+    return payload
+
+
 def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
     with part("config"):
+        check_instruction(msg)
         cfg = client_config(context)
         server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
         # the client this message is for (a simulated node may serve several, client/identity.py)
@@ -110,7 +146,7 @@ def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
 def train(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
     with part("decode"):
-        payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+        payload = check_payload(from_record(msg.content.array_records.get(ARRAYS_KEY)))
     scope = _state_scope(rnd, context)
     with part("state load"):
         state, meta = store.load(max_round=rnd.server_round - 1, **scope)
@@ -154,7 +190,7 @@ def _evaluation(trainer: Any, rnd: ClientRound, payload: dict[str, np.ndarray],
 def evaluate(msg: Message, context: Context) -> Message:
     trainer, rnd, store = _round(msg, context)
     with part("decode"):
-        payload = from_record(msg.content.array_records.get(ARRAYS_KEY))
+        payload = check_payload(from_record(msg.content.array_records.get(ARRAYS_KEY)))
     with part("state load"):
         state, _ = store.load(max_round=rnd.server_round, **_state_scope(rnd, context))
     with part("evaluate"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import tempfile
 import zipfile
@@ -28,6 +29,17 @@ import numpy as np
 
 class StateCorruptError(RuntimeError):
     """A state file failed its checksum or could not be parsed."""
+
+
+class StorageWriteError(OSError):
+    """A file could not be written (a full disk, an I/O error): the previous version of the
+    file is still in place, whole, and the error says which file and how to go on."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        self.path = Path(path)
+        super().__init__(err.errno, f"could not write {path}: {err.strerror or err}; its previous "
+                         "version is kept, whole. Free space on that disk (or fix the I/O error) and go "
+                         "on: a run resumes from its last checkpoint (pflower run resume=<run folder>)")
 
 
 def _sha256(path: Path) -> str:
@@ -43,8 +55,11 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     the old file or the new one, never part of one. ``durable``: on disk (fsync) before the
     rename, so that the new file survives a machine crash too; a file derived from another
     (a sidecar) skips it, since a process kill keeps what was written either way."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise StorageWriteError(path, err) from err
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -52,9 +67,33 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, StorageWriteError):
+            raise StorageWriteError(path, err) from err
         raise
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` whole or not at all: a write that fails part-way (a full
+    disk) is cut back to the file's previous end, so a line-per-record file (metrics.jsonl)
+    never keeps half a record, and :class:`StorageWriteError` says so."""
+    data = text.encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise StorageWriteError(path, err) from err
+    try:
+        end = os.fstat(fd).st_size
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except OSError as err:
+            os.ftruncate(fd, end)    # frees blocks: works on a full disk
+            raise StorageWriteError(path, err) from err
+    finally:
+        os.close(fd)
 
 
 META_MEMBER = "__pflower_meta__"
@@ -85,9 +124,14 @@ def save_arrays_file(path: Path, arrays: Mapping[str, np.ndarray], meta: dict[st
     np.savez(buf, **plain, **{META_MEMBER: np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)})
     data = buf.getvalue()
     atomic_write_bytes(path, data)
-    # the json copy is derived (the npz carries its own metadata and digest): written, not synced
+    # the json copy is derived (the npz carries its own metadata and digest): written, not
+    # synced, and not needed: when it cannot be written the save has still happened, whole
     record = {"sha256": hashlib.sha256(data).hexdigest(), "keys": sorted(plain), "meta": meta}
-    atomic_write_bytes(path.with_suffix(".json"), json.dumps(record, indent=1).encode(), durable=False)
+    try:
+        atomic_write_bytes(path.with_suffix(".json"), json.dumps(record, indent=1).encode(), durable=False)
+    except StorageWriteError as err:
+        logging.getLogger(__name__).warning("%s (a readable copy of %s's metadata; the file itself is saved)",
+                                            err, path.name)
 
 
 def _open_npz(path: Path) -> Any:

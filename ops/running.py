@@ -345,7 +345,10 @@ def report_failure(run_dir: Path, reason: str) -> int:
 
     hint = go_on_hint(run_dir)
     if run_dir.is_dir():
-        atomic_write_text(run_dir / "FAILED", f"{reason}\n{hint}\n")
+        try:
+            atomic_write_text(run_dir / "FAILED", f"{reason}\n{hint}\n")
+        except OSError as err:   # a full disk: say it here, where it can still be read
+            print(f"pflower: could not write FAILED: {err}", file=sys.stderr)
     print(f"pflower: run failed: {reason}\npflower: {hint}", file=sys.stderr)
     return 1
 

@@ -21,6 +21,7 @@ from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
 from learning.sources import DatasetError
+from learning.storage import atomic_write_text
 from server.loop import run_federation
 from server.results import RunRecorder
 from server.run_folder import RunFolderError, finished_summary, run_config_hint, run_dir_of
@@ -90,7 +91,10 @@ def main(grid: Grid, context: Context) -> None:
         summary = recorder.finish(client_info(data), strategy.summary_extras())
     except Exception as err:
         log(ERROR, "pflower run failed: %s", err)
-        (recorder.dir / "FAILED").write_text(f"{type(err).__name__}: {err}\n")
+        try:
+            atomic_write_text(recorder.dir / "FAILED", f"{type(err).__name__}: {err}\n")
+        except OSError as why:   # e.g. the full disk that failed the run: the log says it
+            log(ERROR, "pflower: could not write FAILED either: %s", why)
         raise
     finally:
         recorder.close()

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import run_settings
-from learning.storage import atomic_write_text
+from learning.storage import append_text, atomic_write_text
 from server.plots import plot_run
 from server.run_folder import (
     METRICS_FILE,
@@ -106,9 +106,8 @@ class RunRecorder:
     def log_round(self, record: dict[str, Any]) -> None:
         elapsed = time.monotonic() - self.t0
         record = {**record, "elapsed_s": round(elapsed, 3)}
+        append_text(self.metrics_path, json.dumps(record) + "\n")   # whole line or nothing
         self.rounds.append(record)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
         if (events := self._events(int(record["round"]))) is not None:
             events.log_round(record, round_s=elapsed - self._last_elapsed)
         self._last_elapsed = elapsed

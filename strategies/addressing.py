@@ -35,7 +35,10 @@ from strategies.replies import RoundFailedError
 # After the first round, how long to wait for a client that has just disappeared (e.g. a
 # SuperNode restarting) before going on without it; a client already missing in the
 # previous round is not waited for again, so one dead SuperNode slows one round, not all.
-REJOIN_WAIT_S = 15.0
+# A SuperNode's restart (Python, torch and Flower imports, registration) takes ~8 s on an
+# idle 2-CPU machine and several times that beside other work (docs/reliability.md): 15 s
+# left a restarting node out of the next round there, which a user would rather wait for.
+REJOIN_WAIT_S = 60.0
 
 
 def place_clients(client_ids: Iterable[str], own: Mapping[str, int],

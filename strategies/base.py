@@ -210,6 +210,9 @@ class PersonalizedStrategy(Strategy):
     # be folded into it as it arrives and dropped (:meth:`streams_round`). A method whose rule
     # needs every update at once (MGDA, propagation, K-means) sets this to False.
     mean_rule: ClassVar[bool] = True
+    # Array records a train reply may carry besides its upload (FEDORA's basis); a reply with
+    # any other, or without its upload record, is rejected.
+    extra_records: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], run: RunSettings,
                  options: Mapping[str, Any], model: nn.Module | None = None, data: Any = None) -> None:
@@ -335,7 +338,7 @@ class PersonalizedStrategy(Strategy):
                 sum(num_bytes(p) for p in sent.values()) / 1e6, self.run.stream_replies_mb)
         receiver = TrainReplies(sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
                                 check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason,
-                                fold=fold)
+                                fold=fold, extra_records=self.extra_records)
         return TrainRound(server_round, messages, sent, receiver, running)
 
     def aggregate_round(self, train: TrainRound) -> TrainResult:

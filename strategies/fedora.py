@@ -86,6 +86,7 @@ class FEDORA(PersonalizedStrategy):
     """
 
     mean_rule: ClassVar[bool] = False   # the propagation mixes every client's model
+    extra_records: ClassVar[tuple[str, ...]] = (BASIS_RECORD,)   # sent when the server asks for it
     options: FEDORAOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -11,6 +11,7 @@ passes what it sent and how to name a reply's client, and gets the round back.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -119,6 +120,13 @@ def validate_arrays(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np
     return None
 
 
+def _is_count(value: object) -> bool:
+    """Whether a reply's number of examples can weigh its update: a whole number in [0, 2**31)
+    (a float that is one too: metric records carry numbers as floats)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and float(value).is_integer() and 0 <= value < 2**31)
+
+
 def _metrics_of(msg: Message, *keys: str) -> dict[str, float]:
     """The first of ``keys``' metric records in a reply, as a dict (empty if none)."""
     for key in keys:
@@ -140,6 +148,8 @@ class TrainReplies:
     norm_bound : reject an update whose L2 distance from its payload exceeds this (0: off).
     check_upload : why an upload breaks the method's parameter roles, or None.
     no_reply_reason : why a client that was sent a message did not answer.
+    extra_records : the array records a reply may carry besides the upload (FEDORA's basis);
+        a reply without its upload record, or with any other array record, is rejected.
     fold : when given, each valid update is passed to it as it arrives (the strategy adds its
         arrays to a running mean), then its arrays are dropped from the update and every
         reply's from the reply (a rejected one's too), so that the round holds metrics, not
@@ -150,8 +160,10 @@ class TrainReplies:
                  reference: Mapping[str, np.ndarray], *, norm_bound: float = 0.0,
                  check_upload: Callable[[Mapping[str, np.ndarray]], str | None] = lambda arrays: None,
                  no_reply_reason: Callable[[], str] = lambda: "no reply",
-                 fold: Callable[[ClientUpdate], None] | None = None) -> None:
+                 fold: Callable[[ClientUpdate], None] | None = None,
+                 extra_records: Iterable[str] = ()) -> None:
         self.sent, self.sender_of, self.reference = sent, sender_of, reference
+        self.extra_records = frozenset(extra_records)
         self.norm_bound, self.check_upload, self.no_reply_reason = norm_bound, check_upload, no_reply_reason
         self.fold = fold
         self.folded = 0
@@ -204,6 +216,18 @@ class TrainReplies:
             log(WARNING, "rejected a reply: %s", round_log.rejected[target])
             return None
         round_log.nodes.setdefault(node, cid)
+        unknown = sorted(set(msg.content.array_records) - {ARRAYS_KEY, *self.extra_records})
+        if ARRAYS_KEY not in msg.content.array_records or unknown:
+            round_log.rejected[cid] = (f"the reply has array records {sorted(msg.content.array_records)}; "
+                                       f"expected {ARRAYS_KEY!r}" + "".join(f", {k!r}" for k in sorted(self.extra_records)))
+            log(WARNING, "rejected the update of client %s: %s", cid, round_log.rejected[cid])
+            return None
+        count = metrics.get(NUM_EXAMPLES, 0)
+        if not _is_count(count):
+            round_log.rejected[cid] = (f"{NUM_EXAMPLES} must be a count of training examples (an integer "
+                                       f"in [0, 2**31)), got {count!r}")
+            log(WARNING, "rejected the update of client %s: %s", cid, round_log.rejected[cid])
+            return None
         arrays = conform_scalars(from_record(msg.content.array_records.get(ARRAYS_KEY)), self.reference)
         reason = (validate_arrays(arrays, self.reference, self.norm_bound, self.sent.get(target))
                   or self.check_upload(arrays))
@@ -216,7 +240,7 @@ class TrainReplies:
             log(WARNING, "rejected the update of client %s: %s", cid, reason)
             return None
         update = ClientUpdate(client_id=cid, node_id=node, arrays=arrays,
-                              num_examples=int(metrics.get(NUM_EXAMPLES, 0)),
+                              num_examples=int(count),
                               metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
         self.updates.append(update)
         round_log.replied.append(cid)

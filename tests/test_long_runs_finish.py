@@ -170,7 +170,12 @@ def test_process_helpers_need_no_ps(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     child = subprocess.Popen(["/bin/sleep", "30"], start_new_session=True)
     try:
         assert pid_alive(child.pid) and child.pid in process_tree(os.getpid())
-        assert "sleep 30" in cmdline(child.pid)
+        # Popen may return before the kernel shows the exec'd command line (it read '' on a
+        # busy machine): wait for what is asserted, not for a fixed time
+        deadline = time.monotonic() + 30
+        while "sleep 30" not in cmdline(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "sleep 30" in cmdline(child.pid), cmdline(child.pid)
     finally:
         kill_tree(child.pid)
         child.wait()
