@@ -116,12 +116,19 @@ def bundled_count(msg: Message) -> int:
 
 
 def split_content(content: RecordDict, count: int) -> list[RecordDict]:
-    """The ``count`` contents a bundle (or its reply) carries, in order."""
+    """The ``count`` contents a bundle (or its reply) carries, in order; a bundle whose own size
+    or keys say otherwise raises ValueError, naming what does not fit."""
+    said = content.config_records.get(BUNDLE_KEY)
+    if said is None or said.get("size") != count:
+        raise ValueError(f"a bundle of {count} messages came back saying it carries "
+                         f"{None if said is None else said.get('size')!r}")
     parts = [RecordDict() for _ in range(count)]
     for key, record in content.items():
         if key == BUNDLE_KEY:
             continue
-        index, _, name = key.partition("/")
+        index, slash, name = key.partition("/")
+        if not (slash and index.isdigit() and int(index) < count and name):
+            raise ValueError(f"a bundle of {count} messages holds a record {key!r} of none of them")
         parts[int(index)][name] = record
     return parts
 
@@ -131,11 +138,18 @@ def replies_of(reply: Message, group: Sequence[Message]) -> list[Message]:
     error reply to the bundle is every message's error)."""
     if reply.has_error():
         return [Message(reply.error, reply_to=msg) for msg in group]
+    try:
+        contents = split_content(reply.content, len(group))
+    except ValueError as err:   # a reply that is not the bundle's: every message's error, said once
+        log(ERROR, "refused the reply to a bundle: %s", err)
+        return [Message(Error(code=0, reason=f"malformed bundle reply: {err}"), reply_to=msg) for msg in group]
     out = []
-    for msg, content in zip(group, split_content(reply.content, len(group)), strict=True):
+    for msg, content in zip(group, contents, strict=True):
         error = content.config_records.get(ERROR_KEY)
         if error is not None:
-            out.append(Message(Error(code=int(error["code"]), reason=str(error["reason"])), reply_to=msg))  # type: ignore[call-overload]
+            code = error.get("code")
+            out.append(Message(Error(code=code if isinstance(code, int) and not isinstance(code, bool) else 0,
+                                     reason=str(error.get("reason"))), reply_to=msg))
         else:
             out.append(Message(content, reply_to=msg))
     return out

@@ -311,7 +311,7 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     twins = _rounds(results, "twin")
     assert [set(r["failed"]) for r in twins] == [set(r["failed"]) for r in recs] == [set(), {"1"}, set()]
     for deployed, simulated in zip(recs, twins, strict=True):
-        assert deployed["clients"] == simulated["clients"], deployed["round"]
+        assert deployed.get("clients") == simulated.get("clients"), deployed["round"]   # none in round 1
     # the restarted client, once trained again, is where a client that never restarted is
     assert recs[2]["clients"]["1"]["accuracy"] > 0.5, recs[2]["clients"]["1"]
 

@@ -33,6 +33,24 @@ def _docker_answers() -> str | None:
     return None if out.returncode == 0 else f"no Docker daemon answers ({out.stderr.strip()[-200:]})"
 
 
+def _wait_for_supernodes(compose: list[str], count: int, timeout: float = 600.0) -> None:
+    """Until each SuperNode container has registered with the SuperLink (its log's ``SuperNode
+    ID`` line, Flower 1.39 and 1.42): on a busy machine a container can take longer to start
+    than the run's ``wait_for_clients``, and the run would go on without it (a ``partial`` demo,
+    which this test saw beside other work). The run itself waits as a user's does."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        registered = [i for i in range(count)
+                      if "SuperNode ID" in subprocess.run([*compose, "logs", f"supernode-{i}"], capture_output=True,
+                                                          text=True, timeout=120).stdout]
+        if len(registered) == count:
+            return
+        assert time.monotonic() < deadline, f"only SuperNodes {registered} registered within {timeout:.0f} s"
+        time.sleep(2)
+
+
 def compose_command() -> list[str] | None:
     """``docker compose`` (v2) where it exists, else Debian's ``docker-compose`` (1.29)."""
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
@@ -103,6 +121,7 @@ def test_compose_demo_runs_deploy3_for_two_rounds(images: list[str], mode: str, 
         home = write_flwr_config(tmp_path / "flwr-home", "127.0.0.1:9093",
                                  str(docker / "certs" / "ca.crt") if mode == "tls" else None).parent
         _wait_for_control_api(home)
+        _wait_for_supernodes(compose, 3)
         code = flwr_run(REPO, home, f"experiment='deploy-3' rounds=2 run-name='{run}' results-root='/results'",
                         timeout=600)
         link = subprocess.run([*compose, "ps", "-q", "superlink"], capture_output=True, text=True).stdout.strip()

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from helpers import FakeGrid, make_strategy, pflower_popen, received
 
 from client.state import ClientStateStore
@@ -118,6 +118,45 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_not_aggregated(caplog: pyt
     np.testing.assert_allclose(st.global_arrays["w"], np.full((3, 2), (10 * 1.0 + 30 * 4.0) / 40))
     assert np.all(np.isfinite(st.global_arrays["b"]))
     assert log.replied == ["0", "1"]
+
+
+def _with_metric(reply_of: Callable[[str, Message], Message], **metrics: Any) -> Callable[[str, Message], Message]:
+    def reply(cid: str, msg: Message) -> Message:
+        out = reply_of(cid, msg)
+        out.content["metrics"] = MetricRecord({**dict(out.content.metric_records["metrics"].items()), **metrics})
+        return out
+    return reply
+
+
+def test_a_reply_whose_number_of_examples_is_not_a_count_is_rejected_not_a_crash() -> None:
+    """Found by tests/test_fuzz_replies.py: ``num-examples`` NaN stopped the run (``int(nan)``)."""
+    st = strategy()
+    grid = FakeGrid(st.client_ids, clients({"0": upload(1.0, n=10), "1": upload(4.0, n=30),
+                                            "2": _with_metric(upload(7.0), **{"num-examples": float("nan")}),
+                                            "3": _with_metric(upload(7.0), **{"num-examples": -5.0})}))
+    log = run_round(st, grid)
+    assert set(log.rejected) == {"2", "3"} and "must be a count" in log.rejected["2"], log.rejected
+    np.testing.assert_allclose(st.global_arrays["w"], np.full((3, 2), (10 * 1.0 + 30 * 4.0) / 40))
+
+
+def test_a_reply_without_its_arrays_record_or_with_unknown_records_is_rejected() -> None:
+    """Found by tests/test_fuzz_replies.py: Local took a reply without its arrays record (or with
+    it renamed) as an empty upload."""
+    def renamed(cid: str, msg: Message) -> Message:
+        out = upload(2.0)(cid, msg)
+        out.content["arrays-x"] = out.content["arrays"]
+        del out.content["arrays"]
+        return out
+
+    def extra(cid: str, msg: Message) -> Message:
+        out = upload(2.0)(cid, msg)
+        out.content["mine"] = out.content["arrays"]
+        return out
+
+    st = strategy()
+    log = run_round(st, FakeGrid(st.client_ids, clients({"0": upload(1.0), "1": upload(1.0), "2": renamed,
+                                                         "3": extra})))
+    assert set(log.rejected) == {"2", "3"} and all("expected 'arrays'" in r for r in log.rejected.values())
 
 
 def test_norm_bound_rejects_large_updates() -> None:

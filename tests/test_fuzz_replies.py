@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from client import app as client_app
+from common.bundles import BUNDLE_KEY, bundle, replies_of, run_bundle
 from common.config import compose_config
 from common.methods import method_names
 from common.protocol import (
@@ -40,6 +42,7 @@ from common.protocol import (
     NUM_EXAMPLES,
     TARGET_CLIENT,
     from_record,
+    make_reply,
     to_record,
 )
 from learning.data import load_federated_data
@@ -321,3 +324,93 @@ def test_the_clientapp_refuses_a_malformed_instruction_by_name_and_saves_nothing
         assert (setup.state_dir / "state-r000001.npz").read_bytes() == saved, kind
 
     check()
+
+
+# ------------------------------------------------------------------ bundles
+@st.composite
+def lying_bundles(draw: Any) -> tuple[str, Any]:
+    """(what it does, content -> the reply content of a bundle of 3 that lies about it)."""
+    kind = draw(st.sampled_from(["size", "index", "no-index", "drop-size"]))
+    size = draw(st.one_of(st.integers(-2, 9).filter(lambda n: n != 3), st.text(max_size=3), st.floats()))
+    index = draw(st.one_of(st.integers(3, 99).map(str), st.sampled_from(["-1", "x", "", "1.0"])))
+
+    def mutate(content: RecordDict) -> RecordDict:
+        if kind == "size":
+            content[BUNDLE_KEY] = ConfigRecord({"size": size})
+        elif kind == "drop-size":
+            del content[BUNDLE_KEY]
+        else:
+            key = draw(st.sampled_from(sorted(k for k in content if k != BUNDLE_KEY)))
+            content[f"{index}/{key.partition('/')[2]}" if kind == "index" else key.partition("/")[2] + "x"] = \
+                content[key]
+            del content[key]
+        return content
+
+    return kind, mutate
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_bundle_reply_that_lies_is_every_message_s_error_never_a_crash() -> None:
+    group = [Message(RecordDict({CONFIG_KEY: ConfigRecord({TARGET_CLIENT: str(c)})}), dst_node_id=7,
+                     message_type=MessageType.TRAIN) for c in range(3)]
+    one = bundle(group)
+
+    def answer(msg: Message, context: Context) -> Message:
+        cid = str(msg.content.config_records[CONFIG_KEY][TARGET_CLIENT])
+        return make_reply(msg, {"w": np.full(2, float(cid), np.float32)}, {"loss": 1.0}, cid, 10)
+
+    honest = run_bundle(one, Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={}), answer)
+    replies = replies_of(honest, group)
+    assert [from_record(r.content.array_records[ARRAYS_KEY])["w"][0] for r in replies] == [0.0, 1.0, 2.0]
+
+    @settings(max_examples=40, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mutation=lying_bundles())
+    def check(mutation: tuple[str, Any]) -> None:
+        kind, mutate = mutation
+        lie = Message(mutate(copy.deepcopy(honest.content)), reply_to=one)
+        got = replies_of(lie, group)
+        assert [r.metadata.reply_to_message_id for r in got] == [m.metadata.message_id for m in group], kind
+        assert all(r.has_error() and "malformed bundle reply" in r.error.reason for r in got), kind
+
+    check()
+
+
+# ------------------------------------------------------------------ the examples they found, kept
+FOUND_INSTRUCTIONS = [
+    ("no config record", lambda c: c.__delitem__(CONFIG_KEY), "has no 'config' config record"),
+    ("a textual round", lambda c: c.__setitem__(CONFIG_KEY, ConfigRecord(
+        {**dict(c.config_records[CONFIG_KEY].items()), "server-round": "two"})), "'server-round' must be a whole"),
+    ("a negative round", lambda c: c.__setitem__(CONFIG_KEY, ConfigRecord(
+        {**dict(c.config_records[CONFIG_KEY].items()), "server-round": -3})), "'server-round' must be a whole"),
+    ("NaN in the server's arrays", lambda c: _with_arrays(c, {k: np.full_like(a, np.nan) if a.dtype.kind == "f" else a
+                                                              for k, a in _arrays(c).items()}), "contain NaN or Inf"),
+]
+
+
+@pytest.mark.usefixtures("flower_task")
+@pytest.mark.parametrize(("what", "mutate", "says"), FOUND_INSTRUCTIONS, ids=[c[0] for c in FOUND_INSTRUCTIONS])
+def test_found_a_malformed_instruction_is_refused_by_name(what: str, mutate: Any, says: str,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Found by the property above: without a config record the ClientApp trained as round 0;
+    NaN arrays trained into NaN and said to lower the lr; a textual round failed with
+    ``invalid literal for int()`` and a negative one was taken."""
+    setup = Instruction(tmp_path_factory.mktemp("found"))
+    content = copy.deepcopy(setup.message.content)
+    mutate(content)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        client_app.train(Message(content, dst_node_id=1, message_type=MessageType.TRAIN), setup.context())
+    assert not list(setup.state_dir.glob("*.npz")), what
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_found_a_bundle_reply_with_a_record_past_its_size_is_an_error_per_message() -> None:
+    """Found by the property above: ``IndexError`` in the split stopped the run."""
+    group = [Message(RecordDict({CONFIG_KEY: ConfigRecord({TARGET_CLIENT: str(c)})}), dst_node_id=7,
+                     message_type=MessageType.TRAIN) for c in range(2)]
+    one = bundle(group)
+    lie = Message(RecordDict({BUNDLE_KEY: ConfigRecord({"size": 2}), "5/metrics": MetricRecord({"x": 1.0})}),
+                  reply_to=one)
+    got = replies_of(lie, group)
+    assert [r.error.reason for r in got] == ["malformed bundle reply: a bundle of 2 messages holds a record "
+                                             "'5/metrics' of none of them"] * 2
