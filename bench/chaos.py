@@ -179,9 +179,9 @@ def compare(chaos: dict[str, Any], twin: dict[str, Any]) -> str:
     return "differs"
 
 
-def resume_command(log: Path) -> list[str] | None:
-    """The resume command the attempt printed (``resume with: pflower ...``)."""
-    found = re.findall(r"resume with: pflower (.+)", log.read_text())
+def resume_command(output: str) -> list[str] | None:
+    """The resume command an attempt printed (``resume with: pflower ...``) in its ``output``."""
+    found = re.findall(r"resume with: pflower (.+)", output)
     return found[-1].split() if found else None
 
 
@@ -201,12 +201,15 @@ def chaos_run(method: str, mode: str, rounds: int, root: Path, chaos: Chaos) -> 
     while outcome["attempts"] < MAX_ATTEMPTS:
         outcome["attempts"] += 1
         fault_free = chaos.budget <= 0
+        printed_before = log.stat().st_size
         proc = start(mode, args, log)
         seen = chaos.attempt(proc, name, run_dir)
         stop_all([p for p in seen if p.pid != proc.pid])   # what a killed pflower left running
         if completed(run_dir, t0) or fault_free:   # a fault-free attempt that fails: the run is lost
             break
-        again = resume_command(log)
+        with log.open("rb") as f:   # this attempt's output only
+            f.seek(printed_before)
+            again = resume_command(f.read().decode(errors="replace"))
         outcome.setdefault("failed_markers", []).append(
             {"exit": proc.returncode, "FAILED": (run_dir / "FAILED").exists(), "resume_printed": again is not None})
         if again is None and (run_dir / "checkpoint" / "server.npz").exists():

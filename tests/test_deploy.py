@@ -418,3 +418,17 @@ def test_flowers_own_clis_run_pflower_over_tls_with_the_simulations_numbers(tmp_
     simulated = _summary(results, "sim")
     assert deployed["clients"] == simulated["clients"]
     assert deployed["accuracy_mean"] == simulated["accuracy_mean"]
+
+
+def test_a_failed_deployment_run_is_told_to_resume_only_when_it_has_a_checkpoint(tmp_path):
+    """Found by bench/chaos.py: a run killed before its first checkpoint (no run folder yet) was
+    told ``resume with: pflower deploy resume=<folder>``, which refuses a folder that is not there."""
+    import argparse
+
+    from server.checkpoint import save_checkpoint
+
+    args = argparse.Namespace(mode="tls", nodes=None, data_root=None)
+    run_dir = tmp_path / "run"
+    assert deploy.go_on_hint(run_dir, args).startswith("no checkpoint was written; run the same command again")
+    save_checkpoint(run_dir, 1, {"global": {}}, {"strategy": "fedavg"})
+    assert deploy.go_on_hint(run_dir, args) == f"resume with: pflower deploy resume={run_dir}"

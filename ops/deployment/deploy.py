@@ -419,7 +419,7 @@ def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path, int]], nodes: int,
                     if not ok:
                         failures += 1
                         print(dep.logs(), file=sys.stderr)
-                        print(f"pflower deploy: resume with: {resume_command(run_dir, args)}", file=sys.stderr)
+                        print(f"pflower deploy: {go_on_hint(run_dir, args)}", file=sys.stderr)
         except LaunchError as err:
             print(f"pflower deploy: could not start the deployment: {err}", file=sys.stderr)
             return 3
@@ -432,6 +432,18 @@ def _deploy_jobs(dep: Deployment, jobs: list[tuple[str, Path, int]], nodes: int,
                   file=sys.stderr)
             return 130
     return 1 if failures else 0
+
+
+def go_on_hint(run_dir: Path, args: argparse.Namespace) -> str:
+    """How to go on with a run that failed: its resume command when it left a checkpoint, else
+    (killed before its first round was saved, when ``resume=`` has nothing to resume) the same
+    command again."""
+    from server.checkpoint import CHECKPOINT
+
+    if (run_dir / CHECKPOINT).exists():
+        return f"resume with: {resume_command(run_dir, args)}"
+    return ("no checkpoint was written; run the same command again (add overwrite=true if it says the "
+            "folder holds an earlier run)")
 
 
 def resume_command(run_dir: Path, args: argparse.Namespace) -> str:
