@@ -64,6 +64,7 @@ def kind_of(cmdline: str) -> str:
 
 
 def descendants(root: int) -> list[psutil.Process]:
+    """``root`` and every process under it (empty once it is gone)."""
     try:
         proc = psutil.Process(root)
         return [proc, *proc.children(recursive=True)]
@@ -96,7 +97,7 @@ def rounds_done(run_dir: Path) -> int:
 
 
 class Chaos:
-    """The seeded schedule, applied to one attempt of one run."""
+    """The seeded schedule of one run, across its attempts (``budget`` faults in all)."""
 
     def __init__(self, rng: random.Random, budget: int, log: list[dict[str, Any]],
                  gap: tuple[float, float] = (1.0, 6.0)) -> None:
@@ -222,6 +223,20 @@ def chaos_run(method: str, mode: str, rounds: int, root: Path, chaos: Chaos) -> 
     return outcome
 
 
+def write_report(args: argparse.Namespace, faults: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``<out>/chaos.json``: every fault, every run, and their counts."""
+    by_process = Counter(f"{f['process']} {f['signal']}" for f in faults)
+    by_moment = Counter("start-up" if f["round"] == 1 and not f.get("recorded") else
+                        "after the last round" if f["round"] > args.rounds else "during the rounds"
+                        for f in faults)
+    report = {"faults": faults, "runs": runs, "by_process": dict(by_process), "by_moment": dict(by_moment),
+              "outcomes": dict(Counter(r["outcome"] for r in runs)),
+              "manual_resumes": sum(r["manual_resumes"] for r in runs), "seed": args.seed,
+              "rounds": args.rounds, "faults_per_run": args.faults}
+    (args.out / "chaos.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -242,18 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(outcome)
             print(f"chaos: {outcome['run']}: {outcome['outcome']} after {outcome['attempts']} attempt(s), "
                   f"{sum(f['run'] == outcome['run'] for f in faults)} faults, {outcome['wall_s']} s", flush=True)
-    by_process = Counter(f"{f['process']} {f['signal']}" for f in faults)
-    by_moment = Counter("start-up" if f["round"] == 1 and not f.get("recorded") else
-                        "after the last round" if f["round"] > args.rounds else "during the rounds"
-                        for f in faults)
-    report = {"faults": faults, "runs": runs, "by_process": dict(by_process), "by_moment": dict(by_moment),
-              "outcomes": dict(Counter(r["outcome"] for r in runs)),
-              "manual_resumes": sum(r["manual_resumes"] for r in runs), "seed": args.seed,
-              "rounds": args.rounds, "faults_per_attempt": args.faults}
-    (args.out / "chaos.json").write_text(json.dumps(report, indent=1))
+            report = write_report(args, faults, runs)   # after every run: a run stopped early keeps them
     print(f"chaos: {len(faults)} faults in {len(runs)} runs; by process: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(by_process.items())))
-    print("chaos: by moment: " + ", ".join(f"{k} {v}" for k, v in sorted(by_moment.items())))
+          + ", ".join(f"{k} {v}" for k, v in sorted(report["by_process"].items())))
+    print("chaos: by moment: " + ", ".join(f"{k} {v}" for k, v in sorted(report["by_moment"].items())))
     print(f"chaos: outcomes {report['outcomes']}; manual resumes {report['manual_resumes']}; "
           f"report {args.out / 'chaos.json'}")
     return 0 if all(r["outcome"] in ("identical", "explained") for r in runs) else 1
