@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPUs this whole run's private Ray instance may use (default: all of this machine's; "
                         "`pflower sweep --jobs N` gives each run cores / N); --num-cpus is per client")
     p.set_defaults(func=cmd_run)
-    c = sub.add_parser("compare", help="compare run folders in one table and plot")
+    c = sub.add_parser("compare", help="compare run folders in one table and plot: one row per configuration "
+                                        "(seeds averaged), labelled by the keys that set it apart")
     c.add_argument("runs", nargs="+")
     c.add_argument("--out", default="", help="write the Markdown table here")
     c.add_argument("--plot", default="", help="write the comparison plot here (PNG)")

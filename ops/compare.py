@@ -1,6 +1,10 @@
 """Compare run folders: one Markdown table (mean ± std over seeds) and one plot.
 
-Runs are grouped by (strategy, dataset, model); each group's row gives the mean and
+Runs fall in one row when their composed configurations (``config.yaml``) differ in nothing but
+the seed and where the run goes (``WHERE_KEYS``); runs without a config.yaml are grouped by
+(strategy, dataset, model). Where one strategy has several rows, each is labelled by the keys
+that set it apart, e.g. ``ditto (strategy.lam=0.01)``; a second run of a seed in one row is left
+out and named under the table. Each row gives the mean and
 standard deviation over its seeds of the final personalised accuracy (mean over
 clients and worst client), the global model's accuracy where there is one, and the
 best-by-validation round's accuracy. If a ``local`` run with the same dataset, seed and
@@ -23,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
+from server.run_folder import CONFIG_FILE, WHERE_KEYS
 from server.summary import bn_label
 
 COLUMNS = (
@@ -60,7 +66,68 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{run_dir} has no summary.json (did the run finish?)")
     data = json.loads(path.read_text())
     data["_dir"] = str(run_dir)
+    data["_config"] = configuration(run_dir)
     return data
+
+
+def configuration(run_dir: Path) -> dict[str, str]:
+    """The run's composed configuration as dotted key -> value (JSON text), without its seed and
+    the keys that say where it goes (``WHERE_KEYS``); {} when the folder has no config.yaml."""
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return {}
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = json.dumps(node, sort_keys=True)
+
+    walk(yaml.safe_load(path.read_text()) or {}, "")
+    return {k: v for k, v in flat.items() if k not in (*WHERE_KEYS, "seed")}
+
+
+Row = tuple[str, str, str]   # (label, dataset, model)
+
+
+def rows_by_configuration(runs: list[dict[str, Any]]) -> tuple[dict[Row, list[dict[str, Any]]], list[str]]:
+    """Runs grouped into rows: one row per composed configuration (seed and ``WHERE_KEYS``
+    aside), labelled by its strategy and, where that strategy has several rows on the same
+    dataset and model, the keys that set this one apart (``ditto (strategy.lam=0.01)``). A
+    row keeps one run per seed (the first by folder name); the others are returned as notes."""
+    by_config: dict[tuple[str, str, str, frozenset[tuple[str, str]]], list[dict[str, Any]]] = defaultdict(list)
+    for r in sorted(runs, key=lambda r: Path(r["_dir"]).name):
+        by_config[(r["strategy"], r["dataset"], r.get("model", ""), frozenset(r["_config"].items()))].append(r)
+    siblings: dict[Row, list[dict[str, str]]] = defaultdict(list)
+    for strategy, dataset, model, config in by_config:
+        siblings[(strategy, dataset, model)].append(dict(config))
+    rows: dict[Row, list[dict[str, Any]]] = {}
+    notes: list[str] = []
+    for (strategy, dataset, model, config), members in by_config.items():
+        label = strategy
+        others = siblings[(strategy, dataset, model)]
+        if len(others) > 1:
+            keys = sorted(k for k in set().union(*others) if len({o.get(k) for o in others}) > 1)
+            mine = dict(config)
+            label += " (" + ", ".join(f"{k}={_value_text(mine.get(k))}" for k in keys) + ")"
+        kept: dict[int, dict[str, Any]] = {}
+        for r in members:
+            if r["seed"] in kept:
+                notes.append(f"Left out of `{label}`: {Path(r['_dir']).name} (acc mean {r['accuracy_mean']:.4f}), "
+                             f"a second run of seed {r['seed']}; the row has {Path(kept[r['seed']]['_dir']).name}.")
+            else:
+                kept[r["seed"]] = r
+        rows[(label, dataset, model)] = sorted(kept.values(), key=lambda r: r["seed"])
+    return rows, notes
+
+
+def _value_text(value: str | None) -> str:
+    if value is None:
+        return "(unset)"
+    loaded = json.loads(value)
+    return loaded if isinstance(loaded, str) else json.dumps(loaded)
 
 
 def client_accuracies(run: Mapping[str, Any], at: str = "final") -> dict[str, float]:
@@ -129,10 +196,8 @@ def _fmt(values: list[float]) -> str:
 
 
 def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | None = None) -> str:
-    runs = [load_summary(d) for d in run_dirs]
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in runs:
-        groups[(r["strategy"], r["dataset"], r.get("model", ""))].append(r)
+    groups, left_out = rows_by_configuration([load_summary(d) for d in run_dirs])
+    runs = [r for members in groups.values() for r in members]
     local_runs = [r for r in runs if r["strategy"] == "local"]
     show_rel = bool(local_runs)
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
@@ -148,7 +213,6 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows_for_plot = []
     for (strategy, dataset, model), members in sorted(groups.items()):
-        members.sort(key=lambda r: r["seed"])
         cells = [strategy, dataset, model, ",".join(str(r["seed"]) for r in members)]
         for key, _ in COLUMNS:
             cells.append(_fmt([r[key] for r in members if key in r]))
@@ -173,6 +237,8 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     if show_rel:
         lines += ["", RELATIVE_LEGEND + (" The `@ best val` columns take each run at its best-validation "
                                          "round." if show_best_rel else "")]
+    if left_out:
+        lines += [""] + left_out
     text = "\n".join(lines)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,16 @@ OVERRIDES_FILE = "overrides.json"
 RECOVERIES_FILE = "recoveries.jsonl"
 
 
+CONFIG_FILE = "config.yaml"
+# keys of a run's config.yaml that say where a run goes or where its data lies, not what it
+# computes: two runs that differ only in these (and their seed) are the same configuration
+WHERE_KEYS = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache", "tensorboard",
+              "dataset.root")
+
+
 LOCK_FILE = ".lock"
 # files that make a folder a run's results (pflower.pid and the lock do not)
-RUN_FILES = ("config.yaml", METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state",
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state",
              OVERRIDES_FILE, RECOVERIES_FILE, "failures", TB_DIR)
 
 

@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from common.config import compose_config
+from server.run_folder import WHERE_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED = Path(__file__).resolve().parent / "tables"
@@ -43,8 +44,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "styled-digits-personalised": ("docs/results.md", EVERY_METHOD, "0"),
     "fashion-domains-personalised": ("docs/results.md", EVERY_METHOD, "0"),
 }
-# keys that say where a run goes, not what it computes
-WHERE = ("run_name", "results_root", "state_root", "resume", "overwrite", "data_cache")
+WHERE = WHERE_KEYS   # keys that say where a run goes, not what it computes
 
 
 def resolved(experiment: str, strategy: str) -> dict:

@@ -1,0 +1,81 @@
+"""``pflower compare`` puts runs in one row only when their composed configurations differ in
+nothing but the seed and where the run goes, and labels each row by what sets it apart."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from ops.compare import compare_runs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(root: Path, name: str, seed: int, accs: list[float], lam: float | None, where: str = "results") -> Path:
+    d = root / name
+    d.mkdir()
+    summary = {"strategy": "ditto", "dataset": "digits", "model": "mlp", "seed": seed,
+               "accuracy_mean": float(np.mean(accs)), "accuracy_min": float(min(accs)),
+               "clients": {str(i): {"accuracy": a} for i, a in enumerate(accs)}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    config = {"run_name": name, "seed": seed, "results_root": where, "rounds": 5,
+              "dataset": {"name": "digits", "root": f"/data/{where}"},
+              "strategy": {"name": "ditto", **({"lam": lam} if lam is not None else {})}}
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    return d
+
+
+def _row(table: str, label: str) -> list[str]:
+    return next(line for line in table.splitlines() if line.startswith(f"| {label} |")).split(" | ")
+
+
+def test_runs_that_differ_in_a_setting_are_rows_apart_and_labelled_by_it(tmp_path: Path) -> None:
+    dirs = [_run(tmp_path, "a-s0", 0, [0.5, 0.7], 0.1), _run(tmp_path, "a-s1", 1, [0.6, 0.8], 0.1, where="other"),
+            _run(tmp_path, "b-s0", 0, [0.2, 0.4], 0.01), _run(tmp_path, "c-s0", 0, [0.9, 0.9], None)]
+    table = compare_runs(dirs)
+    rows = [line for line in table.splitlines() if line.startswith("| ditto")]
+    assert len(rows) == 3, table
+    # results_root and dataset.root say where a run goes: seeds 0 and 1 at lambda 0.1 are one row
+    lam_01 = _row(table, "ditto (strategy.lam=0.1)")
+    assert lam_01[3] == "0,1" and lam_01[4] == f"{np.mean([0.6, 0.7]):.4f} ± {np.std([0.6, 0.7]):.4f}"
+    assert _row(table, "ditto (strategy.lam=0.01)")[4] == "0.3000"
+    assert _row(table, "ditto (strategy.lam=(unset))")[4] == "0.9000"
+
+
+def test_a_second_run_of_a_seed_is_left_out_and_named(tmp_path: Path) -> None:
+    dirs = [_run(tmp_path, "a-s0", 0, [0.5, 0.7], 0.1), _run(tmp_path, "a-s0-rerun", 0, [0.1, 0.1], 0.1)]
+    table = compare_runs(dirs)
+    assert _row(table, "ditto")[3] == "0" and _row(table, "ditto")[4] == "0.6000"
+    assert "Left out of `ditto`: a-s0-rerun (acc mean 0.1000), a second run of seed 0; the row has a-s0." in table
+
+
+def test_runs_without_a_config_are_grouped_by_strategy_dataset_and_model(tmp_path: Path) -> None:
+    dirs = [_run(tmp_path, "a-s0", 0, [0.5], 0.1), _run(tmp_path, "b-s1", 1, [0.7], 0.01)]
+    for d in dirs:
+        (d / "config.yaml").unlink()
+    assert _row(compare_runs(dirs), "ditto")[3] == "0,1"
+
+
+def test_the_printed_command_gives_the_fashion_mnist_rows_of_fedora_md() -> None:
+    """docs/methods/fedora.md: each row of the Rotated Fashion-MNIST tables is a row of
+    ``pflower compare docs/runs/fedora-rotated-fashion-mnist/*``, Ditto's lambdas apart."""
+    page = (REPO / "docs/methods/fedora.md").read_text()
+    assert "pflower compare docs/runs/fedora-rotated-fashion-mnist/*" in page
+    page = page.split("### The paper's Rotated Fashion-MNIST")[1].split("\n### ")[0]   # its section
+    table = compare_runs(sorted((REPO / "docs/runs/fedora-rotated-fashion-mnist").iterdir()))
+    page_rows = {"fedavg": "| FedAvg | 0, 1, 2 |", "fedavg-ft": "| FedAvg+FT (5 epochs at 0.01) | 0, 1, 2 |",
+                 "fedprox-ft": "| FedProx+FT (5 epochs at 0.01) | 0, 1, 2 |", "local": "| Local | 0, 1, 2 |",
+                 "ditto (strategy.lam=0.1)": "| Ditto (lambda 0.1, its default) | 0, 1, 2 |",
+                 "fedora": "| **FEDORA** | 0, 1, 2 |", "ditto (strategy.lam=0.01)": "| Ditto, lambda 0.01 (tuned) |"}
+    for label, start in page_rows.items():
+        row = _row(table, label)
+        line = next(x for x in page.splitlines() if x.startswith(start))
+        by_seed = row[8].split(", ")
+        assert f"{row[4]} ({', '.join(by_seed)})" in line, (label, row[4], line)
+        assert row[5] in line, (label, row[5], line)
+    assert _row(table, "ditto (strategy.lam=1)")[3] == "0"
+    assert re.search(r"Left out of `ditto \(strategy.lam=0.1\)`: \S+-s0-257f26f8", table)
