@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client.handlers import trainer_class
 from client.state import ClientStateStore
 from client.trainer import ClientRound
 from common.config import run_settings
-from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.training import evaluate
 from ops.personalize import load_run_config

@@ -12,6 +12,11 @@ process of the run is picked at random, a kind of process first and then one of 
 (``pflower`` itself, the SuperLink, its SuperExec, ``flwr run``, the simulation or ServerApp,
 a SuperNode, a ClientApp runner, a Ray process), and is either killed (SIGKILL) or paused
 (SIGSTOP, then SIGCONT after 0.5-8 s), ``--faults`` times per run, its resumes included.
+Starting a run (a deployment above all) takes longer than the gap, so a schedule of times
+alone lands nearly every fault before the first round. A share of the faults
+(``--during-rounds``, 0.75 by default) therefore waits, besides its time, until the attempt has
+recorded a round it had not when the fault was drawn: that fault lands during the rounds, at
+a random point of a round, its evaluation, its record or its checkpoint.
 
 An attempt that ends without a completed summary must leave ``FAILED`` and print its resume
 command; the harness then stops what the attempt left behind and runs that command (a
@@ -49,6 +54,7 @@ METHODS = ("fedavg", "ditto", "fedora", "fedbasis", "fdse", "partialfed-adaptive
 # what each run is made of, beyond its method: short local work, frequent checkpoints
 COMMON = ["checkpoint_every=1", "eval_every=5", "train.local_epochs=1", "round_timeout=120", "wait_for_clients=120"]
 MODES = {"sim": ["run"], "deploy": ["deploy", "experiment=deploy-3"]}
+PROGRESS_WAIT_S = 180.0   # a fault waiting for a round fires anyway after this long (a stuck attempt)
 MAX_ATTEMPTS = 100   # a run whose fault budget is spent gets one attempt without faults
 KINDS = (("superexec", "flower-superexec"), ("superlink", "superlink"), ("flwr run", "bin/flwr run"),
          ("simulation", "flwr-simulation"), ("serverapp", "flwr-serverapp"), ("runner", "ops.node.runner"),
@@ -100,23 +106,32 @@ class Chaos:
     """The seeded schedule of one run, across its attempts (``budget`` faults in all)."""
 
     def __init__(self, rng: random.Random, budget: int, log: list[dict[str, Any]],
-                 gap: tuple[float, float] = (1.0, 6.0)) -> None:
+                 gap: tuple[float, float] = (1.0, 6.0), during_rounds: float = 0.75) -> None:
         self.rng, self.budget, self.log, self.gap = rng, budget, log, gap
+        self.during_rounds = during_rounds
+
+    def _draw(self, run_dir: Path) -> tuple[float, int | None]:
+        """The next fault: the earliest time it may fire, and the round count the run must pass
+        first (None: time alone)."""
+        after = rounds_done(run_dir) if self.rng.random() < self.during_rounds else None
+        return time.monotonic() + self.rng.uniform(*self.gap), after
 
     def attempt(self, proc: subprocess.Popen, run: str, run_dir: Path) -> list[psutil.Process]:
         """Inject faults into ``proc``'s tree until it exits; returns every process it had."""
         seen: dict[int, psutil.Process] = {}
-        next_at = time.monotonic() + self.rng.uniform(*self.gap)
+        next_at, after = self._draw(run_dir)
         while proc.poll() is None:
             for p in descendants(proc.pid):
                 seen.setdefault(p.pid, p)
-            if self.budget > 0 and time.monotonic() >= next_at:
-                self.fault(proc, run, run_dir)
-                next_at = time.monotonic() + self.rng.uniform(*self.gap)
+            now = time.monotonic()
+            progressed = after is None or rounds_done(run_dir) > after or now > next_at + PROGRESS_WAIT_S
+            if self.budget > 0 and now >= next_at and progressed:
+                self.fault(proc, run, run_dir, waited_for_round=after is not None)
+                next_at, after = self._draw(run_dir)
             time.sleep(0.1)
         return list(seen.values())
 
-    def fault(self, proc: subprocess.Popen, run: str, run_dir: Path) -> None:
+    def fault(self, proc: subprocess.Popen, run: str, run_dir: Path, waited_for_round: bool = False) -> None:
         by_kind: dict[str, list[psutil.Process]] = {}
         for p in descendants(proc.pid):
             try:
@@ -143,7 +158,8 @@ class Chaos:
         except psutil.Error:
             pass
         self.log.append({"run": run, "process": kind, "signal": action, "pause_s": pause if action == "SIGSTOP" else 0,
-                         "round": at_round, "recorded": done, "t": round(time.time(), 2),
+                         "round": at_round, "recorded": done, "waited_for_round": waited_for_round,
+                         "t": round(time.time(), 2),
                          "alive": {k: len(v) for k, v in sorted(by_kind.items())}})
 
 
@@ -244,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--faults", type=int, default=6, help="faults per run (its resumes included)")
     ap.add_argument("--gap", default="1,6", help="seconds between faults: uniform in LOW,HIGH")
+    ap.add_argument("--during-rounds", type=float, default=0.75,
+                    help="share of faults that wait for the run to record a new round first (0 = time alone)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/chaos"))
     args = ap.parse_args(argv)
@@ -253,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     gap = (low, high)
     for mode in args.modes.split(","):
         for method in args.methods.split(","):
-            outcome = chaos_run(method, mode, args.rounds, args.out.resolve(), Chaos(rng, args.faults, faults, gap))
+            outcome = chaos_run(method, mode, args.rounds, args.out.resolve(), Chaos(rng, args.faults, faults, gap,
+                                                                                     args.during_rounds))
             runs.append(outcome)
             print(f"chaos: {outcome['run']}: {outcome['outcome']} after {outcome['attempts']} attempt(s), "
                   f"{sum(f['run'] == outcome['run'] for f in faults)} faults, {outcome['wall_s']} s", flush=True)

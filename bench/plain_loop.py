@@ -18,9 +18,10 @@ import time
 
 
 def main(argv: list[str]) -> None:
+    from client.handlers import trainer_class
     from client.trainer import ClientRound
     from common.config import compose_config, run_settings
-    from common.methods import build_method_model, trainer_class
+    from common.methods import build_method_model
     from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean

@@ -8,6 +8,7 @@ Identity and data come from the node: ``partition-id`` (simulation) or ``client-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,9 @@ from omegaconf import DictConfig
 
 from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
-from client.trainer import ClientRound
+from client.trainer import ClientRound, ClientTrainer
 from common.config import compose_config, run_settings
-from common.methods import trainer_class
+from common.methods import load_named, method
 from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -116,6 +117,12 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
                                  checkpoint_every=run.checkpoint_every)
         trainer = trainer_for(cfg, settings.strategy)
     return trainer, rnd, store
+
+
+def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[ClientTrainer]:
+    """The client trainer class of method ``name`` (its variant's when ``options`` sets one)."""
+    cls: type[ClientTrainer] = load_named(method(name, options).client)
+    return cls
 
 
 # A trainer holds its configuration, settings and checked options, nothing of a client, and

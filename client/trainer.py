@@ -26,7 +26,7 @@ from torch import nn
 from common.config import run_settings
 from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
-from common.settings import Settings
+from common.settings import BN_OWN, Settings
 from common.timing import part
 from learning.data import ClientSplit
 from learning.models import parameter_groups
@@ -283,10 +283,7 @@ class ClientTrainer:
         adds the other."""
         if self.personal_is_global(model) or not has_bn_running_stats(model):
             return ()
-        run = self.settings.run
-        chosen = "own" if run.eval_bn_statistics == "recompute" else "stored"
-        other = "stored" if chosen == "own" else "own"
-        return (chosen, other) if run.eval_bn_compare else (chosen,)
+        return self.settings.run.bn_protocols
 
     def evaluate_personal(self, rnd: ClientRound, payload: NDArrays, state: NDArrays) -> dict[str, float]:
         """The personalised model's accuracy under its BN protocol (``accuracy``,
@@ -299,7 +296,7 @@ class ClientTrainer:
             return _prefixed_eval(model, rnd, "")
         out: dict[str, float] = {}
         for protocol in protocols:
-            tested = self.with_own_bn_statistics(model, rnd) if protocol == "own" else model
+            tested = self.with_own_bn_statistics(model, rnd) if protocol == BN_OWN else model
             result = _prefixed_eval(tested, rnd, "")
             if protocol == protocols[0]:             # the headline's protocol
                 out.update(result)

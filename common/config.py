@@ -354,10 +354,6 @@ def run_settings(cfg: DictConfig) -> Settings:
     return settings
 
 
-def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
 # ---------------------------------------------------------------- command-line overrides
 # command-line key -> Flower run-config key (the inverse of RUN_CONFIG_KEYS)
 CLI_RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "model",

@@ -32,9 +32,6 @@ from common.options import MethodOptions, read_options
 if TYPE_CHECKING:
     from torch import nn
 
-    from client.trainer import ClientTrainer
-    from strategies.base import PersonalizedStrategy
-
 STRATEGY_DIR = Path(__file__).resolve().parent.parent / "conf" / "strategy"
 ROW_KEY = "_method_"     # the registry block of conf/strategy/<name>.yaml
 
@@ -105,8 +102,10 @@ def method(name: str, options: Mapping[str, Any] | None = None) -> Method:
     return row
 
 
-def _load(path: str) -> Any:
-    """The object a row names as ``"module:attribute"``."""
+def load_named(path: str) -> Any:
+    """The object a row names as ``"module:attribute"`` (the server and client classes are
+    loaded by the two app edges, ``server/app.py`` and ``client/handlers.py``, so that this
+    layer names no module above it)."""
     module, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
@@ -115,18 +114,10 @@ def _load(path: str) -> Any:
                          f"({err}); give it as 'package.module:Name'") from err
 
 
-def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[PersonalizedStrategy]:
-    return _load(method(name, options).server)
-
-
-def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[ClientTrainer]:
-    return _load(method(name, options).client)
-
-
 def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     """The validated options object of the configured strategy (``cfg.strategy``)."""
     name = str(strategy["name"])
-    return read_options(_load(method(name, strategy).options), strategy)
+    return read_options(load_named(method(name, strategy).options), strategy)
 
 
 # built models per process: (key) -> (template, last seed set, CPU RNG state after building)
@@ -169,7 +160,7 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
         return build_model(cfg["model"], input_shape, num_classes)
 
     row = method(str(cfg["strategy"]["name"]), cfg["strategy"])
-    model = make(0) if not row.wrapper else _load(row.wrapper)(make, method_options(cfg["strategy"]))
+    model = make(0) if not row.wrapper else load_named(row.wrapper)(make, method_options(cfg["strategy"]))
     _BUILT[key] = (copy.deepcopy(model), seeds[-1], torch.get_rng_state())
     while len(_BUILT) > _BUILT_MAX:
         _BUILT.popitem(last=False)
@@ -190,4 +181,4 @@ def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, 
     from common.roles import roles_by_rule
 
     rule = method(str(strategy["name"]), strategy).roles
-    return roles_by_rule(rule, model, _load(rule) if ":" in rule else None)
+    return roles_by_rule(rule, model, load_named(rule) if ":" in rule else None)

@@ -21,6 +21,14 @@ from learning.typed import check, finite, one_of
 if TYPE_CHECKING:
     from learning.training import OptimConfig
 
+# The BN-statistics protocols a personal model is tested under, the one vocabulary of the code,
+# summaries and tables: "own" = running statistics recomputed on the client's train split at the
+# tested weights, "stored" = as training, aggregation or propagation left them. The config key
+# eval_bn_statistics names them by what the client does (recompute / stored).
+BN_OWN, BN_STORED = "own", "stored"
+BN_PROTOCOLS = (BN_OWN, BN_STORED)
+BN_PROTOCOL_OF_SETTING = {"recompute": BN_OWN, "stored": BN_STORED}
+
 # the top-level keys of conf/config.yaml that are config groups, not run keys
 GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize")
 
@@ -66,13 +74,21 @@ class RunKeys:
         finite("norm_bound", self.norm_bound, 0.0)
         if self.stream_replies_mb is not None:
             finite("stream_replies_mb", self.stream_replies_mb, 0.0)
-        one_of("eval_bn_statistics", self.eval_bn_statistics, ("stored", "recompute"))
+        one_of("eval_bn_statistics", self.eval_bn_statistics, tuple(BN_PROTOCOL_OF_SETTING))
         check(self.best_round_by in ("mean", "weighted"), "best_round_by must be mean (over clients) or "
               f"weighted (by validation size), got {self.best_round_by!r}")
         bad = [o for extra in self.strategy_overrides.values() for o in extra if "=" not in o]
         check(not bad, f"strategy_overrides holds KEY=VALUE overrides per strategy name, got {bad}")
         check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
               f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def bn_protocols(self) -> tuple[str, ...]:
+        """The BN protocols a personal model with BN is tested under: the headline's
+        (``eval_bn_statistics``) first, then the other when ``eval_bn_compare`` is on."""
+        chosen = BN_PROTOCOL_OF_SETTING[self.eval_bn_statistics]
+        other = tuple(p for p in BN_PROTOCOLS if p != chosen)
+        return (chosen, *other) if self.eval_bn_compare else (chosen,)
 
     @property
     def run_dir(self) -> Path:

@@ -500,9 +500,3 @@ def _imbalance(cfg: DatasetConfig, num_participating: int) -> tuple[int, int]:
     if big >= 0 and factor < 1:
         raise DatasetError(f"dataset.imbalance_factor must be >= 1, got {factor}")
     return big, factor
-
-
-def label_histogram(ds: Dataset, num_classes: int) -> np.ndarray:
-    """Count of each label in a dataset (used for reports and weighted accuracy)."""
-    labels = [int(ds[i][1]) for i in range(len(ds))]
-    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from common.settings import BN_PROTOCOLS
 from server.run_folder import CONFIG_FILE, WHERE_KEYS
 from server.summary import bn_label
 
@@ -40,9 +41,6 @@ COLUMNS = (
 )
 
 
-# each BN protocol a run measured (summary.json's bn_protocols): own = recomputed on the
-# client's train split, stored = as training/aggregation left them
-BN_PROTOCOLS = ("own", "stored")
 BN_COLUMNS = (("accuracy_mean", "acc mean"), ("accuracy_min", "acc min"),
               ("best_accuracy_mean", "acc @ best val round"))
 

@@ -31,9 +31,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Subset
 
+from client.handlers import trainer_class
 from client.trainer import ClientRound, last_and_best, personalize_curve
 from common.config import compose_config, run_settings
-from common.methods import trainer_class
 from common.protocol import client_sort_key
 from learning.data import ClientSplit, load_federated_data
 from learning.models import resolve_device

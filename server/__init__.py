@@ -1,1 +1,2 @@
-"""Server side: the ServerApp, the federation loop, checkpoints, results and the CLI."""
+"""Server side: the ServerApp, the round loop, checkpoints, the run folder, results, summary,
+figures and TensorBoard (the command line is ``ops/``)."""

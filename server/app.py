@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import ERROR, INFO, WARNING
+from typing import Any
 
 from flwr.app import Context
 from flwr.common.logger import log
@@ -16,7 +18,7 @@ from common.flower_compat import (
     log_refusals_as_one_line,
     shorten_object_pull_backoff,
 )
-from common.methods import build_method_model, strategy_class
+from common.methods import build_method_model, load_named, method
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
@@ -33,6 +35,12 @@ app = ServerApp()
 class RunRefused(RuntimeError):
     """A run the ServerApp does not start (its folder holds another run): the run fails on
     the SuperLink with this message, logged as one line."""
+
+
+def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[PersonalizedStrategy]:
+    """The server Strategy class of method ``name`` (its variant's when ``options`` sets one)."""
+    cls: type[PersonalizedStrategy] = load_named(method(name, options).server)
+    return cls
 
 
 def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> PersonalizedStrategy:

@@ -40,7 +40,7 @@ from server.checkpoint import (
 )
 from server.results import RunRecorder
 from server.summary import cpu_capability
-from strategies.base import PersonalizedStrategy
+from strategies.base import PersonalizedStrategy, TrainRound
 
 
 def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     pending = fused.take()
     if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
         with part("evaluate"):
-            carried = _evaluate(strategy, grid, cfg, base_config, pending, replies)
+            carried = _evaluate(strategy, grid, cfg, base_config, pending, replies, train)
         recorder.attach_evaluation(pending, carried)
         latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
     with part("aggregate"):
@@ -124,7 +124,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         with part("evaluate"):
             record.update(_evaluate(strategy, grid, cfg, base_config, server_round))
     with part("record"):
-        record.update(strategy.round_extras(server_round))
+        record.update(result.notes)
         recorder.log_round(record)
     if record.get("evaluate"):
         latest = (server_round, record["evaluate"])
@@ -191,13 +191,14 @@ def _is_eval_round(server_round: int, run: RunKeys) -> bool:
 
 
 def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_config: dict[str, Any],
-              server_round: int, train_replies: list[Message] | None = None) -> dict[str, Any]:
+              server_round: int, train_replies: list[Message] | None = None,
+              train: TrainRound | None = None) -> dict[str, Any]:
     """Round ``server_round``'s evaluation of every connected client: the evaluations that came with
     ``train_replies`` (``eval_in_train``) plus evaluate messages to every other client (not
     sampled, failed, or all of them when there are no such replies)."""
     run = run_settings(cfg).run
     evaluate = strategy.begin_evaluate(server_round, {**base_config, "final": server_round == run.rounds}, grid,
-                                       carried=train_replies or ())
+                                       carried=train_replies or (), train=train)
     replies = send_and_receive(grid, evaluate.messages, timeout=run.round_timeout) if evaluate.messages else []
     evaluation = strategy.evaluation_of(evaluate, replies)
     summary = evaluation.summary()

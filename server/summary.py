@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from common.config import run_settings
 from common.protocol import client_sort_key
+from common.settings import BN_PROTOCOLS
 
 
 def evaluated_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,7 +113,7 @@ def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[st
     recomputed on each client's train split, or ``stored``), and every protocol the run
     measured (``bn_protocols``): accuracy at the last round and at the best round, each
     protocol's best round chosen by its own validation accuracy, as the headline's is."""
-    measured = [p for p in ("own", "stored") if f"{p}_bn_accuracy_mean" in evals[-1]["evaluate"]]
+    measured = [p for p in BN_PROTOCOLS if f"{p}_bn_accuracy_mean" in evals[-1]["evaluate"]]
     if not measured:
         return {"bn_statistics": BN_AS_HELD}
     by = best_round_metric(cfg)
@@ -131,7 +132,7 @@ def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[st
             "clients": {cid: m[f"{key}accuracy"] for cid, m in last.get("clients", {}).items()
                         if f"{key}accuracy" in m},
         }
-    return {"bn_statistics": "own" if run_settings(cfg).run.eval_bn_statistics == "recompute" else "stored",
+    return {"bn_statistics": run_settings(cfg).run.bn_protocols[0],
             "bn_protocols": protocols}
 
 

@@ -7,7 +7,7 @@ where the method has a global model, ``clients/accuracy/<id>``, every numeric tr
 metric as ``train/<name>`` (loss, and the methods' own: PartialFed's gate probabilities
 ``p_global/<unit>``, FEDORA's ``lambda``, ...), ``communication/bytes_up|down``,
 ``time/round_s``, ``clients/failed``, and the method's diagnostics from
-``round_extras`` as ``method/<path>`` (FedBasis' basis entropy and coefficients, FDSE's
+notes its aggregation returns as ``method/<path>`` (FedBasis' basis entropy and coefficients, FDSE's
 consensus weights, ...). At the end the run's hyper-parameters with its final numbers
 (TensorBoard's HPARAMS tab), and the resolved config as text.
 

@@ -3,7 +3,8 @@
 Flower addresses nodes; pflower's strategies address clients (partition ids, stable across
 runs, restarts and resumes; node ids are random per run). :class:`ClientDirectory` learns
 each node's client with one QUERY message, places the run's clients on the nodes
-(:func:`place_clients`), builds each message for the node serving its client, and names the
+(:func:`place_clients`). An :class:`Exchange` (one round's training, or its evaluation: a
+value the round owns) builds each message for the node serving its client and names the
 client of every reply by the message it answers.
 """
 
@@ -84,13 +85,6 @@ class ClientDirectory:
         self._missing: set[str] | None = None      # expected clients without a node, last call
         self._idle_logged: set[str] = set()
         self._placement_logged = False
-        self._addressed: list[tuple[Message, str]] = []   # messages out, with their client
-        # one packed record per distinct payload of an exchange (a shared global model is packed
-        # once, not once per client): key = the payload's (name, id(array)) pairs; the entry keeps
-        # the arrays alive so that no id is reused while the exchange lasts
-        self._records: dict[tuple[tuple[str, int], ...], tuple[tuple[Any, ...], ArrayRecord]] = {}
-        self._by_message_id: dict[str, str] = {}           # the same by message id, once pushed
-        self._sent_at = 0.0
 
     def learn(self, nodes: Mapping[int, str]) -> None:
         """Nodes seen answering for a client (a fallback to the identification query)."""
@@ -176,14 +170,39 @@ class ClientDirectory:
             log(INFO, "idle SuperNodes (not clients of this dataset): %s", ", ".join(sorted(idle, key=client_sort_key)))
             self._idle_logged |= idle
 
-    def begin(self, message_type: str) -> None:
-        """A new exchange of ``message_type`` messages: forget earlier messages of that type
-        (a train exchange forgets everything; an evaluation keeps the round's train messages,
-        whose replies may carry the evaluation) and start the no-reply clock."""
-        self._addressed = [] if message_type == MessageType.TRAIN else [
-            (m, c) for m, c in self._addressed if m.metadata.message_type != message_type]
-        self._records = {}
-        self._sent_at = time.monotonic()
+    def exchange(self, message_type: str, earlier: Exchange | None = None) -> Exchange:
+        """A new exchange of ``message_type`` messages to the clients placed by the last
+        :meth:`connected`; ``earlier`` (the round's train exchange, for its evaluation) lends
+        its messages of the other type, whose replies may carry the evaluation."""
+        return Exchange(self, message_type, earlier)
+
+
+class Exchange:
+    """One exchange of messages: a round's training, or its evaluation. It builds each
+    message for the node serving its client, packs each distinct payload once, and names the
+    client of every reply by the message it answers; the round holds it from the first message
+    out to the last reply in, and nothing of it outlives the round.
+
+    Parameters
+    ----------
+    directory : the run's clients and nodes (``node_of`` as its last :meth:`ClientDirectory.connected` placed them).
+    message_type : the type of this exchange's messages.
+    earlier : an exchange whose messages of another type this one answers for too.
+    """
+
+    def __init__(self, directory: ClientDirectory, message_type: str, earlier: Exchange | None = None) -> None:
+        self.message_type = message_type
+        self.node_of = dict(directory.node_of)
+        self.node_to_client = directory.node_to_client     # the directory's, learned as nodes answer
+        self.query_timeout = directory.query_timeout
+        self.addressed: list[tuple[Message, str]] = (      # messages out, with their client
+            [(m, c) for m, c in earlier.addressed if m.metadata.message_type != message_type] if earlier else [])
+        # one packed record per distinct payload (a shared global model is packed once, not once
+        # per client): key = the payload's (name, id(array)) pairs; the entry keeps the arrays
+        # alive so that no id is reused while the exchange lasts
+        self._records: dict[tuple[tuple[str, int], ...], tuple[tuple[Any, ...], ArrayRecord]] = {}
+        self._by_message_id: dict[str, str] = {}           # ``addressed`` by message id, once pushed
+        self.sent_at = time.monotonic()
 
     def record_of(self, payload: NDArrays) -> ArrayRecord:
         """The payload as a packed record, packed once per exchange for every client that gets
@@ -194,14 +213,14 @@ class ClientDirectory:
             hit = self._records[key] = (tuple(payload.values()), to_record(payload))
         return hit[1]
 
-    def message(self, client_id: str, payload: NDArrays, config: Mapping[str, Any], message_type: str) -> Message:
+    def message(self, client_id: str, payload: NDArrays, config: Mapping[str, Any]) -> Message:
         """A message to the node serving ``client_id``, naming the client it is for."""
         if not client_id.startswith("node-"):
             config = {**config, TARGET_CLIENT: client_id}
         record = RecordDict({ARRAYS_KEY: self.record_of(payload), CONFIG_KEY: ConfigRecord(dict(config))})
-        msg = Message(content=record, message_type=message_type, dst_node_id=self.node_of[client_id],
+        msg = Message(content=record, message_type=self.message_type, dst_node_id=self.node_of[client_id],
                       ttl=self.query_timeout)
-        self._addressed.append((msg, client_id))
+        self.addressed.append((msg, client_id))
         return msg
 
     def sender_of(self, reply: Message) -> str:
@@ -209,14 +228,14 @@ class ClientDirectory:
         the message it replies to, else by the node it came from."""
         wanted = reply.metadata.reply_to_message_id
         if wanted and wanted not in self._by_message_id:   # ids are given when messages are pushed
-            self._by_message_id = {m.metadata.message_id: c for m, c in self._addressed if m.metadata.message_id}
+            self._by_message_id = {m.metadata.message_id: c for m, c in self.addressed if m.metadata.message_id}
         node = reply.metadata.src_node_id
         return self._by_message_id.get(wanted) or self.node_to_client.get(node, f"node-{node}")
 
     def no_reply_reason(self) -> str:
         """Why a node sent nothing back: the round timed out, or (when the grid returned well
         before the timeout) the message never reached a live node."""
-        waited = time.monotonic() - self._sent_at
+        waited = time.monotonic() - self.sent_at
         if waited < 0.9 * self.query_timeout:
             return (f"no reply after {waited:.0f}s: the node went offline or the message could "
                     f"not be delivered (the round timeout is {self.query_timeout:.0f}s)")

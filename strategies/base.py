@@ -19,16 +19,18 @@ these. Flower's own ``Strategy`` interface (``configure_train`` / ``aggregate_tr
 ``configure_evaluate`` / ``aggregate_evaluate``, driven by ``Strategy.start``) carries no
 round object between its calls, so those four wrappers keep the one round in flight.
 
-A method overrides :meth:`aggregate_updates` (the math, delegating to pure functions) and,
-if it needs to, :meth:`payload_for`, :meth:`check_upload`, :meth:`round_extras`,
-:meth:`summary_extras` and the checkpoint pair :meth:`state` / :meth:`load_state`.
+A method overrides :meth:`aggregate_updates` (the math, delegating to pure functions; it
+returns its notes on the round, which the loop records, and keeps on itself only what later
+rounds need, saved by :meth:`state`) and, if it needs to, :meth:`payload_for`,
+:meth:`check_upload`, :meth:`summary_extras` and the checkpoint pair :meth:`state` /
+:meth:`load_state`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -44,7 +46,7 @@ from common.options import MethodOptions
 from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
 from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
 from learning.params import NDArrays, RunningMean, num_bytes, weighted_mean
-from strategies.addressing import ClientDirectory
+from strategies.addressing import ClientDirectory, Exchange
 from strategies.replies import (
     ClientUpdate,
     Evaluation,
@@ -61,8 +63,11 @@ if TYPE_CHECKING:
     from common.settings import RunKeys
 
 # what a method's server module needs (the replies' own names are in strategies/replies.py)
-__all__ = ["ClientUpdate", "EvaluateRound", "Evaluation", "PersonalizedStrategy", "RunSettings", "TrainResult",
-           "TrainRound", "client_labels"]
+__all__ = ["ClientUpdate", "EvaluateRound", "Evaluation", "PersonalizedStrategy", "RoundNotes", "RunSettings",
+           "TrainResult", "TrainRound", "client_labels"]
+
+# what a method's aggregation returns for the round's metrics line: {method key: JSON-able}, or None
+RoundNotes = dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class TrainRound:
     replies : the receiver that validates each reply as it arrives (:meth:`TrainReplies.take`).
     running : the mean the valid replies are folded into as they arrive, when the round
         streams (:meth:`PersonalizedStrategy.streams_round`); None otherwise.
+    exchange : the messages' addressing (which client each reply answers for); None for a
+        round handed its updates.
     """
 
     server_round: int
@@ -123,6 +130,7 @@ class TrainRound:
     sent: dict[str, NDArrays]
     replies: TrainReplies
     running: RunningMean | None = None
+    exchange: Exchange | None = None
 
     @classmethod
     def handed(cls, server_round: int, sent: Mapping[str, NDArrays] | None = None) -> TrainRound:
@@ -150,20 +158,25 @@ class EvaluateRound:
     asked : every client whose evaluation the round expects: those of ``carried``, then
         those messaged; one asked that does not answer is marked failed.
     carried : train replies that carry this round's evaluation (``eval_in_train``).
+    exchange : the messages' addressing, the carried replies' train messages included.
     """
 
     server_round: int
     messages: list[Message]
     asked: list[str]
     carried: list[Message]
+    exchange: Exchange
 
 
 @dataclass
 class TrainResult:
-    """One round's training as the loop records it: the mean train metrics and the log."""
+    """One round's training as the loop records it: the mean train metrics, the log, and the
+    method's notes on the round (JSON-able; ``{"fedora": {...}}``), which its aggregation
+    returns rather than keeping them on the strategy."""
 
     metrics: dict[str, float]
     log: RoundLog
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def client_labels(data: Any, prefix: str = "client ") -> dict[str, str]:
@@ -213,6 +226,12 @@ class PersonalizedStrategy(Strategy):
     # Array records a train reply may carry besides its upload (FEDORA's basis); a reply with
     # any other, or without its upload record, is rejected.
     extra_records: ClassVar[tuple[str, ...]] = ()
+    # The attributes a round may change: what later rounds need, each saved by :meth:`state`
+    # and restored by :meth:`load_state`, except ``directory`` (which node serves which
+    # client, learned again after a restart). What a round computes for its record is
+    # returned by :meth:`aggregate_updates`, never kept here; tests/test_method_contract.py
+    # checks both for every method.
+    carried_state: ClassVar[tuple[str, ...]] = ("global_arrays", "personal", "rng", "directory")
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], run: RunSettings,
                  options: Mapping[str, Any], model: nn.Module | None = None, data: Any = None) -> None:
@@ -256,20 +275,26 @@ class PersonalizedStrategy(Strategy):
             payload.update(self.personal[client_id])
         return payload
 
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
         """FedAvg over the uploaded keys (a method overrides this with its own rule).
 
         Parameters
         ----------
         train : the round as sent (``server_round``, ``sent``, the streamed mean ``running``).
         updates : the valid updates, ordered by client id.
+
+        Returns
+        -------
+        The method's notes on this round for its metrics line (JSON-able, under the method's
+        key), or None: what a round computes is returned, never kept on the strategy.
         """
         mean = self.mean_of(updates, train.running)
         if mean is None:
-            return
+            return None
         self.global_arrays.update(mean)
         log(INFO, "aggregate: FedAvg of %d tensors over %d clients%s", len(mean), len(updates),
             " (folded as they arrived)" if train.running is not None else "")
+        return None
 
     def mean_of(self, updates: list[ClientUpdate], running: RunningMean | None = None) -> NDArrays | None:
         """sum_k w_k a_k / sum_k w_k over the uploads (w_k = n_k, or 1 with ``weighted=false``):
@@ -297,10 +322,6 @@ class PersonalizedStrategy(Strategy):
             return False
         return limit == 0 or sum(num_bytes(p) for p in sent.values()) / 1e6 > limit
 
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Method-specific values to record in this round's metrics line (JSON-able)."""
-        return {}
-
     def summary_extras(self) -> dict[str, Any]:
         """Method-specific values for summary.json (JSON-able)."""
         return {}
@@ -322,11 +343,11 @@ class PersonalizedStrategy(Strategy):
         sampled = self.rng.sample(clients, min(k, len(clients)))
         sampled.sort(key=clients.index)
         cfg = {**self.train_config, **dict(config), "server-round": server_round}
-        self.directory.begin(MessageType.TRAIN)
+        exchange = self.directory.exchange(MessageType.TRAIN)
         sent = {cid: self.payload_for(cid) for cid in sampled}
         log(INFO, "configure_train: round %d, sampled %d of %d clients", server_round, len(sampled),
             len(clients))
-        messages = [self.directory.message(cid, payload, cfg, MessageType.TRAIN) for cid, payload in sent.items()]
+        messages = [exchange.message(cid, payload, cfg) for cid, payload in sent.items()]
         running = RunningMean() if self.streams_round(server_round, sent) else None
         fold = None
         if running is not None:
@@ -336,10 +357,10 @@ class PersonalizedStrategy(Strategy):
             log(INFO, "configure_train: round %d's replies are folded into the mean as they arrive "
                 "(%.0f MB expected, stream_replies_mb=%s)", server_round,
                 sum(num_bytes(p) for p in sent.values()) / 1e6, self.run.stream_replies_mb)
-        receiver = TrainReplies(sent, self.directory.sender_of, self.reference, norm_bound=self.run.norm_bound,
-                                check_upload=self.check_upload, no_reply_reason=self.directory.no_reply_reason,
+        receiver = TrainReplies(sent, exchange.sender_of, self.reference, norm_bound=self.run.norm_bound,
+                                check_upload=self.check_upload, no_reply_reason=exchange.no_reply_reason,
                                 fold=fold, extra_records=self.extra_records)
-        return TrainRound(server_round, messages, sent, receiver, running)
+        return TrainRound(server_round, messages, sent, receiver, running, exchange)
 
     def aggregate_round(self, train: TrainRound) -> TrainResult:
         """Aggregate the valid updates of ``train`` (its receiver took the replies as they
@@ -362,14 +383,14 @@ class PersonalizedStrategy(Strategy):
         absent = set(round_log.failed) | set(round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
-        self.aggregate_updates(train, updates)
+        notes = self.aggregate_updates(train, updates) or {}
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:
                     self.personal[cid] = kept[cid]
                 else:
                     self.personal.pop(cid, None)
-        return TrainResult(mean_train_metrics(updates), round_log)
+        return TrainResult(mean_train_metrics(updates), round_log, notes)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -389,24 +410,28 @@ class PersonalizedStrategy(Strategy):
 
     # ------------------------------------------------------------------ evaluate
     def begin_evaluate(self, server_round: int, config: Mapping[str, Any], grid: Grid,
-                       carried: Iterable[Message] = ()) -> EvaluateRound:
+                       carried: Iterable[Message] = (), train: TrainRound | None = None) -> EvaluateRound:
         """Evaluate every connected client (not only the sampled ones): the evaluations that
-        came with train replies (``carried``, ``eval_in_train``) count as asked and answered,
-        and every other connected client is sent an evaluate message."""
+        came with train replies (``carried``, ``eval_in_train``: replies to ``train``'s
+        messages) count as asked and answered, and every other connected client is sent an
+        evaluate message."""
         carried = [m for m in carried if not m.has_error() and EVAL_METRICS_KEY in m.content.metric_records]
-        done = [self.directory.sender_of(m) for m in carried]
+        train_exchange = train.exchange if train is not None else None
+        if carried and train_exchange is None:
+            raise ValueError("begin_evaluate: replies carried without the train round they answer")
+        done = [train_exchange.sender_of(m) for m in carried] if train_exchange is not None else []
         answered = set(done)
         others = [c for c in self.directory.connected(grid) if c not in answered]
         cfg = {**self.train_config, **dict(config), "server-round": server_round}
-        self.directory.begin(MessageType.EVALUATE)
-        messages = [self.directory.message(c, self.payload_for(c), cfg, MessageType.EVALUATE) for c in others]
-        return EvaluateRound(server_round, messages, [*done, *others], carried)
+        exchange = self.directory.exchange(MessageType.EVALUATE, earlier=train_exchange)
+        messages = [exchange.message(c, self.payload_for(c), cfg) for c in others]
+        return EvaluateRound(server_round, messages, [*done, *others], carried, exchange)
 
     def evaluation_of(self, evaluate: EvaluateRound, replies: Iterable[Message]) -> Evaluation:
         """The round's evaluation from the replies to ``evaluate``'s messages and the train
         replies it carried; every client asked that did not answer is in ``failed``."""
         evaluation = parse_evaluation_replies([*evaluate.carried, *replies], evaluate.asked,
-                                              self.directory.sender_of, self.directory.no_reply_reason)
+                                              evaluate.exchange.sender_of, evaluate.exchange.no_reply_reason)
         self.directory.learn(evaluation.nodes)
         return evaluation
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from flwr.common.logger import log
 
-from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
+from strategies.base import ClientUpdate, PersonalizedStrategy, RoundNotes, TrainRound
 
 
 class FedAvg(PersonalizedStrategy):
@@ -30,5 +30,6 @@ class Local(PersonalizedStrategy):
 
     mean_rule: ClassVar[bool] = False   # nothing is uploaded or averaged
 
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
         log(INFO, "aggregate: local training, nothing to aggregate (%d clients)", len(updates))
+        return None

@@ -39,7 +39,7 @@ import numpy as np
 from flwr.common.logger import log
 
 from learning.params import NDArrays, is_float, weighted_mean
-from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
+from strategies.base import ClientUpdate, PersonalizedStrategy, RoundNotes, TrainRound
 from strategies.fdse_math import (
     FDSEOptions,
     attention_mix,
@@ -115,16 +115,17 @@ class FDSE(PersonalizedStrategy):
         local = set(self.groups["local"])
         # the server never holds nor sends local-only statistics
         self.global_arrays = {k: v for k, v in self.global_arrays.items() if k not in local}
-        self.last_weights: dict[str, list[float]] = {}
-        self.last_clients: list[str] = []
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
+        """Consensus step for the shared tensors, mean of the shared BN statistics, attention
+        mix of the personal ones; returns the min-norm weights per shared tensor (clients in
+        ``fdse_clients`` order) for the round's metrics line."""
         server_round = train.server_round
         uploaded = updates     # uploads breaking the roles were rejected (strategies/replies.py)
         if not uploaded:
             log(WARNING, "fdse: round %d had no valid uploads; nothing to aggregate", server_round)
-            return
+            return {"fdse_clients": [], "fdse_consensus_weights": {}}
         # --- shared parameters: consensus maximisation (Eq. 8), update vs what was sent
         deltas = []
         for u in uploaded:
@@ -153,15 +154,12 @@ class FDSE(PersonalizedStrategy):
                         else np.asarray(u.arrays[k]))
                     for k, v in mix.items()
                 }
-        self.last_clients = [u.client_id for u in uploaded]
-        self.last_weights = {k: [float(x) for x in w] for k, w in weights.items()}
         log(INFO, "fdse: round %d, consensus over %d shared tensors, attention over %d personal "
             "tensors, %d clients", server_round, len(step), len(pkeys), len(uploaded))
+        return {"fdse_clients": [u.client_id for u in uploaded],
+                "fdse_consensus_weights": {k: [float(x) for x in w] for k, w in weights.items()}}
 
     # ------------------------------------------------------------------ records
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Min-norm weights per shared tensor (clients in ``fdse_clients`` order)."""
-        return {"fdse_clients": list(self.last_clients), "fdse_consensus_weights": self.last_weights}
 
     def summary_extras(self) -> dict[str, Any]:
         """Parameter counts per class and the per-client upload size of one round."""

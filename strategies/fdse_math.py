@@ -451,24 +451,6 @@ def gram_matrix(vectors: Sequence[np.ndarray], chunk: int = _GRAM_CHUNK) -> np.n
     return gram
 
 
-def _prepare_updates(
-    updates: Sequence[Any], name: str
-) -> tuple[list[np.ndarray], tuple[int, ...], np.ndarray]:
-    if isinstance(updates, np.ndarray) and updates.ndim >= 1:
-        updates = list(updates)
-    if len(updates) == 0:
-        raise ValueError(f"{name}: need at least one client update")
-    arrs = [_to_numpy(u, f"{name}[{i}]") for i, u in enumerate(updates)]
-    shape = arrs[0].shape
-    for i, a in enumerate(arrs):
-        if a.shape != shape:
-            raise ValueError(f"{name}: update {i} has shape {a.shape}, expected {shape}")
-        _check_finite(a, f"{name}[{i}]")
-    flats = [a.reshape(-1) for a in arrs]
-    norms = np.sqrt(np.array([float(f @ f) for f in flats]))
-    return flats, shape, norms
-
-
 def _consensus_from_gram(
     raw_gram: np.ndarray, norms: np.ndarray, zero_policy: str
 ) -> tuple[np.ndarray, np.ndarray]:

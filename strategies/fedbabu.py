@@ -32,6 +32,7 @@ from strategies.base import (
     EvaluateRound,
     Evaluation,
     PersonalizedStrategy,
+    RoundNotes,
     TrainResult,
     TrainRound,
 )
@@ -55,6 +56,8 @@ class FedBABU(PersonalizedStrategy):
     (``client.fedbabu.FedProxBABUTrainer``)."""
 
     mean_rule: ClassVar[bool] = False   # its own body average (average_body), over every update
+    # the clients that acknowledged storing the head (sent the body only from then on)
+    carried_state: ClassVar[tuple[str, ...]] = (*PersonalizedStrategy.carried_state, "head_acked")
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], **kwargs: Any) -> None:
         super().__init__(initial_arrays, client_ids, **kwargs)
@@ -72,7 +75,6 @@ class FedBABU(PersonalizedStrategy):
         self.head_sha = head_digest(self.head)
         self.train_config[HEAD_DIGEST_KEY] = self.head_sha
         self.head_acked: set[str] = set()
-        self.head_sent_to: list[str] = []    # this round's clients that were sent the head
         log(INFO, "FedBABU: head %s (%d bytes, init %s) fixed for the whole training",
             self.head_keys, num_bytes(self.head), mode)
 
@@ -85,13 +87,18 @@ class FedBABU(PersonalizedStrategy):
         return {**body, **self.head}
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
+        """The body's average (the head stays as initialised); returns which of the round's
+        clients were sent the head (those that had not acknowledged storing it)."""
+        body_bytes = self._body_bytes()
+        notes = {"fedbabu": {"head_sent_to": sorted((c for c, p in train.sent.items() if num_bytes(p) > body_bytes),
+                                                    key=client_sort_key)}}
         uploaded = [u for u in updates if u.arrays]
         for u in updates:
             if u.metrics.get(HEAD_STORED_METRIC, 0.0) >= 1.0:
                 self.head_acked.add(u.client_id)
         if not uploaded:
-            return
+            return notes
         sent_head = [u.client_id for u in uploaded if set(u.arrays) & set(self.head_keys)]
         if sent_head:
             log(WARNING, "FedBABU: clients %s uploaded head tensors; they are ignored", sent_head)
@@ -99,6 +106,7 @@ class FedBABU(PersonalizedStrategy):
         self.global_arrays.update(average_body([u.arrays for u in uploaded], weights, self.head_keys))
         log(INFO, "aggregate: FedBABU body average over %d clients (weighted=%s)", len(uploaded),
             self.weighted)
+        return notes
 
     def _forget_failed(self, failed: Iterable[str]) -> None:
         for label in failed:
@@ -107,9 +115,6 @@ class FedBABU(PersonalizedStrategy):
                 log(WARNING, "FedBABU: client %s failed; it will be sent the head again", label)
 
     def aggregate_round(self, train: TrainRound) -> TrainResult:
-        body_bytes = self._body_bytes()
-        self.head_sent_to = sorted((c for c, p in train.sent.items() if num_bytes(p) > body_bytes),
-                                   key=client_sort_key)
         failed = list(train.sent)    # if the round fails, every sampled client is sent the head again
         try:
             result = super().aggregate_round(train)
@@ -122,10 +127,6 @@ class FedBABU(PersonalizedStrategy):
         evaluation = super().evaluation_of(evaluate, replies)
         self._forget_failed(evaluation.failed)
         return evaluation
-
-    # ------------------------------------------------------------------ records
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        return {"fedbabu": {"head_sent_to": self.head_sent_to}}
 
     def _body_bytes(self) -> int:
         return num_bytes(split_head(self.global_arrays, self.head_keys)[0])

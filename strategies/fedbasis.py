@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.common.logger import log
@@ -32,7 +32,13 @@ from common.figures import inches, tick_step
 from common.protocol import client_sort_key
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, basis_prefix
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
+from strategies.base import (
+    ClientUpdate,
+    PersonalizedStrategy,
+    RoundNotes,
+    TrainRound,
+    client_labels,
+)
 from strategies.fedbasis_math import (
     COEFF_METRIC,
     FedBasisOptions,
@@ -47,6 +53,9 @@ class FedBasis(PersonalizedStrategy):
     """FedBasis (see the module docstring)."""
 
     options: FedBasisOptions
+    # the warm-up's end and, by round, the coefficients and diagnostics (the summary's plots)
+    carried_state: ClassVar[tuple[str, ...]] = (*PersonalizedStrategy.carried_state, "seeded", "switch",
+                                                "coefficients", "diagnostics")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,15 +95,19 @@ class FedBasis(PersonalizedStrategy):
         return None
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
         super().aggregate_updates(train, updates)          # FedAvg per basis
         server_round = train.server_round
         if not self.seeded:
             if server_round >= self.warm_rounds:
                 self.seed_from(server_round, updates)
-            return
-        self.coefficients[server_round] = {u.client_id: client_coefficients(u.metrics) for u in updates}
-        self._record_diagnostics(server_round, updates)
+        else:
+            self.coefficients[server_round] = {u.client_id: client_coefficients(u.metrics) for u in updates}
+            self._record_diagnostics(server_round, updates)
+        # coefficients and diagnostics by round are carried (the summary's plots and latest values)
+        return {"fedbasis": {"phase": "bases" if self.seeded else "warm-up",
+                             **self.diagnostics.get(server_round, {}),
+                             "coefficients": self.coefficients.get(server_round, {})}}
 
     def seed_from(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """End of the warm-up: the K bases from the clients' models of this round."""
@@ -128,11 +141,6 @@ class FedBasis(PersonalizedStrategy):
             f"{diag['coeff_entropy']:.4f}" if "coeff_entropy" in diag else "-", np.log(self.options.num_bases))
 
     # ------------------------------------------------------------------ records
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        return {"fedbasis": {"phase": "bases" if self.seeded else "warm-up",
-                             **self.diagnostics.get(server_round, {}),
-                             "coefficients": self.coefficients.get(server_round, {})}}
-
     def latest_coefficients(self) -> dict[str, dict[str, list[float]]]:
         out: dict[str, dict[str, list[float]]] = {}
         for server_round in sorted(self.coefficients):

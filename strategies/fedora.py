@@ -42,7 +42,7 @@ from flwr.serverapp import Grid
 
 from common.figures import inches, tick_step
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound
+from strategies.base import ClientUpdate, PersonalizedStrategy, RoundNotes, TrainRound
 from strategies.fedora_math import (
     BASIS_ARRAY,
     BASIS_RECORD,
@@ -87,6 +87,8 @@ class FEDORA(PersonalizedStrategy):
 
     mean_rule: ClassVar[bool] = False   # the propagation mixes every client's model
     extra_records: ClassVar[tuple[str, ...]] = (BASIS_RECORD,)   # sent when the server asks for it
+    carried_state: ClassVar[tuple[str, ...]] = (*PersonalizedStrategy.carried_state, "bases", "theta", "w",
+                                                "cosine_sum")
     options: FEDORAOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -102,7 +104,6 @@ class FEDORA(PersonalizedStrategy):
             self.basis_dim = int(np.prod(self.data.input_shape))
             if self.options.basis_labels:
                 self.basis_dim += int(self.data.num_classes)
-        self._round_notes: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ bases
     def missing_bases(self) -> list[str]:
@@ -130,22 +131,22 @@ class FEDORA(PersonalizedStrategy):
             return f"basis columns are not orthonormal (max |U^T U - I| = {err:.2e})"
         return None
 
-    def _receive_basis(self, update: ClientUpdate) -> None:
+    def _receive_basis(self, update: ClientUpdate) -> str | None:
+        """Keep the basis ``update`` carries, if any; why it was ignored, or None."""
         record = update.extra.get(BASIS_RECORD)
         if not record:
-            return
+            return None
         if set(record) != {BASIS_ARRAY}:
             reason = f"basis record must hold exactly one array {BASIS_ARRAY!r}, got {sorted(record)}"
         else:
             u = np.asarray(record[BASIS_ARRAY], dtype=np.float64)
             reason = self.check_basis(u)
         if reason is not None:
-            self._round_notes.setdefault("basis_rejected", {})[update.client_id] = reason
             log(WARNING, "FEDORA: ignored the basis of client %s: %s", update.client_id, reason)
-            return
-        if self.w is not None and update.client_id in self.bases:
-            return  # the graph is fixed once built; a re-sent basis changes nothing
-        self.bases[update.client_id] = u
+            return reason
+        if self.w is None or update.client_id not in self.bases:   # the graph is fixed once built
+            self.bases[update.client_id] = u
+        return None
 
     def build_graph(self) -> None:
         """W from all K bases (paper or code form), saved and plotted in the run folder."""
@@ -188,28 +189,29 @@ class FEDORA(PersonalizedStrategy):
         }
 
     # ------------------------------------------------------------------ aggregation
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
-        """Store uploads and bases; build W once all bases are known; propagate."""
-        self._round_notes = {}
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
+        """Store uploads and bases; build W once all bases are known; propagate. Returns the
+        round's notes: bases ignored and why, each client's lambda, whether it propagated."""
+        notes: dict[str, Any] = {}
         for u in updates:
-            self._receive_basis(u)
+            if (reason := self._receive_basis(u)) is not None:
+                notes.setdefault("basis_rejected", {})[u.client_id] = reason
             self.theta[u.client_id] = {k: np.asarray(v) for k, v in u.arrays.items()}
-        self._round_notes["lambda"] = {u.client_id: u.metrics["lambda"] for u in updates
-                                       if "lambda" in u.metrics}
+        notes["lambda"] = {u.client_id: u.metrics["lambda"] for u in updates if "lambda" in u.metrics}
         missing = self.missing_bases()
         if self.w is None and not missing:
             self.build_graph()
         if self.w is None:
             for u in updates:
                 self.personal[u.client_id] = dict(self.theta[u.client_id])
-            self._round_notes["propagated"] = False
-            self._round_notes["missing_bases"] = missing
+            notes.update(propagated=False, missing_bases=missing)
             log(INFO, "FEDORA: %d of %d client bases still missing (%s); no propagation yet, "
                 "clients get their own parameters back", len(missing), len(self.client_ids),
                 ", ".join(missing[:8]))
-            return
-        self.propagate_all()
-        self._round_notes["propagated"] = True
+        else:
+            self.propagate_all()
+            notes["propagated"] = True
+        return {"fedora": {**notes, "bases_known": len(self.bases)}}
 
     def propagate_all(self) -> None:
         """theta_hat = propagation of every client's latest theta (floating tensors)."""
@@ -226,9 +228,6 @@ class FEDORA(PersonalizedStrategy):
             self.options.alpha)
 
     # ------------------------------------------------------------------ records
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        return {"fedora": {**self._round_notes, "bases_known": len(self.bases)}}
-
     def summary_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fedora": {
             "options": dataclasses.asdict(self.options),

@@ -14,13 +14,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.common.logger import log
 
 from common.protocol import client_sort_key
 from learning.params import NDArrays
-from strategies.base import ClientUpdate, PersonalizedStrategy, TrainRound, client_labels
+from strategies.base import (
+    ClientUpdate,
+    PersonalizedStrategy,
+    RoundNotes,
+    TrainRound,
+    client_labels,
+)
 from strategies.partialfed_math import P_GLOBAL_METRIC as P_GLOBAL
 
 
@@ -32,17 +38,20 @@ class PartialFedFix(PersonalizedStrategy):
 class PartialFedAdaptive(PersonalizedStrategy):
     """PartialFed-Adaptive: FedAvg's server rule; records the clients' learned gates."""
 
+    # the gates by round (the summary's plot and each client's latest gates)
+    carried_state: ClassVar[tuple[str, ...]] = (*PersonalizedStrategy.carried_state, "gate_history")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate_history: dict[int, dict[str, dict[str, float]]] = {}   # round -> client -> unit -> p
 
-    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> None:
+    def aggregate_updates(self, train: TrainRound, updates: list[ClientUpdate]) -> RoundNotes:
         super().aggregate_updates(train, updates)
-        self.gate_history[train.server_round] = {
-            u.client_id: {k[len(P_GLOBAL):]: v for k, v in u.metrics.items() if k.startswith(P_GLOBAL)}
-            for u in updates}
+        gates = {u.client_id: {k[len(P_GLOBAL):]: v for k, v in u.metrics.items() if k.startswith(P_GLOBAL)}
+                 for u in updates}
+        self.gate_history[train.server_round] = gates     # carried: the summary's plot and latest gates
         log(INFO, "partialfed: gates of %d clients recorded", len(updates))
+        return {"partialfed": {"p_global": gates}}
 
     def latest_gates(self) -> dict[str, dict[str, float]]:
         """Each client's most recent probabilities of loading global, per unit."""
@@ -50,9 +59,6 @@ class PartialFedAdaptive(PersonalizedStrategy):
         for server_round in sorted(self.gate_history):
             out.update(self.gate_history[server_round])
         return out
-
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        return {"partialfed": {"p_global": self.gate_history.get(server_round, {})}}
 
     def summary_extras(self) -> dict[str, Any]:
         run_dir = self.run.run_dir

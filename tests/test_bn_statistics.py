@@ -18,9 +18,9 @@ from torch.utils.data import TensorDataset
 from client.baselines import DittoTrainer, LocalTrainer
 from client.fedbasis import FedBasisTrainer
 from client.fedora import FEDORATrainer
+from client.handlers import trainer_class
 from client.trainer import ClientRound, ClientTrainer
 from common.config import ConfigError, compose_config
-from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays

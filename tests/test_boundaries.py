@@ -2,7 +2,7 @@
 
 The layers are read from the "Layers" table of docs/architecture.md itself (its "may import"
 column), so the document and the check cannot disagree; there is no list of exceptions.
-Imports under ``if TYPE_CHECKING:`` are type hints only and are not counted. And Flower's
+Imports under ``if TYPE_CHECKING:`` and inside functions count like any other. And Flower's
 internals: no module but Flower's public ones is imported outside ``common/flower_compat.py``.
 """
 
@@ -46,16 +46,12 @@ ALLOWED = _layers_of_the_architecture_doc()
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
-    """Project modules imported by ``path`` (module name, line), TYPE_CHECKING blocks skipped."""
+    """Project modules imported by ``path`` (module name, line), wherever the import is: in a
+    function, or under ``if TYPE_CHECKING:`` (a type hint that names a higher layer is a
+    dependency on it all the same)."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(n) for n in ast.walk(node)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append((node.module, node.lineno))
         elif isinstance(node, ast.Import):
@@ -149,3 +145,10 @@ def test_the_boundary_check_sees_an_internal_import(tmp_path: Path) -> None:
                      "def f():\n    import flwr.common.serde\n    from flwr.app import Message\n")
     assert [m for m, _ in flower_imports(probe) if m not in PUBLIC_FLOWER] == [
         "flwr.supercore.task_identity", "flwr.common.serde"]
+
+
+def test_a_type_checking_import_counts(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from client.trainer import X\n"
+                     "def f():\n    from server.app import app\n")
+    assert [m for m, _ in _imports(probe)] == ["client.trainer", "server.app"]

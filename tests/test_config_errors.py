@@ -219,7 +219,7 @@ def test_the_method_registry_is_the_yaml_rows(tmp_path: Path, monkeypatch: pytes
         methods.method("fedavgg")
     with pytest.raises(ValueError, match=r"'strategies.nope:X', named in a conf/strategy/\*.yaml _method_ row, "
                                          "cannot be imported"):
-        methods._load("strategies.nope:X")
+        methods.load_named("strategies.nope:X")
 
     monkeypatch.setattr(methods, "STRATEGY_DIR", tmp_path)
     methods._method_row.cache_clear()

@@ -17,9 +17,9 @@ from helpers import pflower
 
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
+from client.handlers import trainer_class
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
 from common.config import compose_config
-from common.methods import trainer_class
 from learning.data import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy

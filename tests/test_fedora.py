@@ -267,10 +267,9 @@ def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
     s = _strategy(num, tmp_path)
     assert s.missing_bases() == [str(i) for i in range(num)]
     first = [_update(str(i), rng, bases[i]) for i in range(3)]
-    s.aggregate_updates(TrainRound.handed(1), first)
+    notes = s.aggregate_updates(TrainRound.handed(1), first)["fedora"]
     # clients 3, 4 not seen yet: no graph, every replier gets its own parameters back
     assert s.w is None and s.missing_bases() == ["3", "4"]
-    notes = s.round_extras(1)["fedora"]
     assert notes["propagated"] is False and notes["missing_bases"] == ["3", "4"]
     for u in first:
         for k in u.arrays:
@@ -278,7 +277,7 @@ def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
     assert not (tmp_path / "run" / "similarity.npy").exists()
 
     second = [_update(str(i), rng, bases[i]) for i in (3, 4)] + [_update("0", rng, None)]
-    s.aggregate_updates(TrainRound.handed(2), second)
+    notes = s.aggregate_updates(TrainRound.handed(2), second)["fedora"]
     np.testing.assert_allclose(s.w, fm.subspace_similarity(bases))
     latest = {u.client_id: u.arrays for u in first}
     latest.update({u.client_id: u.arrays for u in second})
@@ -297,7 +296,7 @@ def test_strategy_waits_for_all_bases_then_propagates(tmp_path):
     assert report["clients"] == [str(i) for i in range(num)]
     np.testing.assert_allclose(report["cosine_sum"], fm.subspace_similarity(bases, self_loops=True))
     assert (run / "similarity.png").stat().st_size > 1000
-    assert s.round_extras(2)["fedora"]["propagated"] is True
+    assert notes["propagated"] is True and notes["bases_known"] == num
     assert s.summary_extras()["fedora"]["graph_built"] is True
 
 
@@ -307,13 +306,14 @@ def test_strategy_code_form_and_bad_basis():
     bases = [np.linalg.qr(rng.standard_normal((6, 1)))[0] for _ in range(num)]
     s = _strategy(num, similarity="code")
     bad = _update("3", rng, np.ones((6, 1)))  # not orthonormal
-    s.aggregate_updates(TrainRound.handed(1), [_update(str(i), rng, bases[i]) for i in range(3)] + [bad])
+    notes = s.aggregate_updates(TrainRound.handed(1), [_update(str(i), rng, bases[i]) for i in range(3)] + [bad])
     assert s.w is None and s.missing_bases() == ["3"]
-    assert "3" in s.round_extras(1)["fedora"]["basis_rejected"]
+    assert "3" in notes["fedora"]["basis_rejected"]
     wrong_dim = _update("3", rng, np.linalg.qr(rng.standard_normal((7, 1)))[0])
-    s.aggregate_updates(TrainRound.handed(2), [wrong_dim])
-    assert "rows" in s.round_extras(2)["fedora"]["basis_rejected"]["3"]
-    s.aggregate_updates(TrainRound.handed(3), [_update("3", rng, bases[3])])
+    notes = s.aggregate_updates(TrainRound.handed(2), [wrong_dim])
+    assert "rows" in notes["fedora"]["basis_rejected"]["3"]
+    notes = s.aggregate_updates(TrainRound.handed(3), [_update("3", rng, bases[3])])
+    assert "basis_rejected" not in notes["fedora"]   # a round's notes are that round's only
     np.testing.assert_allclose(s.w, fm.subspace_similarity(bases, form="code"))
     assert np.all((s.w > 0).sum(axis=1) == 2)  # the code's top-2 graph
 
@@ -386,11 +386,11 @@ def test_in_process_federation_digits_rotated(tmp_path):
             states[cid] = res.state
             updates.append(ClientUpdate(cid, int(cid), res.upload, res.num_examples, res.metrics,
                                         res.extra))
-        s.aggregate_updates(TrainRound.handed(rnd_no), updates)
+        notes = s.aggregate_updates(TrainRound.handed(rnd_no), updates)
         assert s.w is not None
         accs.append(np.mean([trainer.evaluate(_round(cfg, c, rnd_no), s.payload_for(c),
                                               states[c])["accuracy"] for c in data.client_ids]))
-        assert set(s.round_extras(rnd_no)["fedora"]["lambda"]) == set(data.client_ids)
+        assert set(notes["fedora"]["lambda"]) == set(data.client_ids)
     assert s.w.shape == (12, 12)
     key = next(iter(s.reference))
     hats = [s.payload_for(c)[key] for c in data.client_ids]

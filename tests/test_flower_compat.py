@@ -287,13 +287,14 @@ def test_a_reply_after_the_round_timeout_is_refused_not_kept(monkeypatch: pytest
     grid.set_run(state.run_ids[5].run)
     directory = ClientDirectory(["0"], 1, wait_for_clients=1.0, query_timeout=0.4)
     directory.node_of["0"] = node
-    msg = directory.message("0", {"w": np.ones(3, np.float32)}, {}, MessageType.TRAIN)
+    exchange = directory.exchange(MessageType.TRAIN)
+    msg = exchange.message("0", {"w": np.ones(3, np.float32)}, {})
     if ttl == "flower default":
         msg = Message(content=msg.content, message_type=MessageType.TRAIN, dst_node_id=node)
     assert msg.metadata.ttl == (0.4 if ttl == "round timeout" else 43200.0)
     grid.push_messages([msg])
     [delivered] = state.get_message_ins(node_id=node, limit=1)
-    late = directory.message("0", {"w": np.ones(3, np.float32)}, {}, MessageType.TRAIN)
+    late = exchange.message("0", {"w": np.ones(3, np.float32)}, {})
     grid.push_messages([late])
     time.sleep(0.6)                                      # the round gave up on both
     reply = make_reply(delivered, {"w": np.full(3, 2.0, np.float32)}, {"loss": 1.0}, "0", 3)

@@ -15,12 +15,17 @@ private state store), connected by a fake grid in this process:
    then ends bit-for-bit where an uninterrupted 2-round run ends;
 4. a round's evaluation carried by the next round's training messages (``eval_in_train``,
    the default) gives every client's numbers bit for bit as separate evaluate messages do,
-   and only the final round sends evaluate messages.
+   and only the final round sends evaluate messages;
+5. a round changes only the strategy's declared ``carried_state`` (what later rounds need),
+   and the checkpoint restores every part of it: what a round computes for its record comes
+   back from the aggregation, it is not parked on the strategy for a later call.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +82,39 @@ class Clients:
         return client_app.evaluate(msg, self.contexts[cid])
 
 
-def _federate(run_config: dict[str, Any], run_id: int) -> tuple[Any, Clients, Any]:
+def _federate(run_config: dict[str, Any], run_id: int,
+              before: dict[str, Any] | None = None) -> tuple[Any, Clients, Any]:
+    """Run the federation; ``before`` (when given) receives a copy of the strategy's
+    attributes as built, before any round."""
     cfg = compose_config(run_config)
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
+    if before is not None:
+        before.update({k: copy.deepcopy(v) for k, v in vars(strategy).items() if k not in ("data", "model")})
     clients = Clients(run_config, data.client_ids, run_id)
     run_federation(strategy, FakeGrid(data.client_ids, clients), cfg,
                    RunRecorder(cfg, resume=bool(cfg.resume)))
     return strategy, clients, cfg
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal by value: arrays bit for bit (dtype and shape too), containers item by item,
+    a random generator by its state, other objects by their attributes."""
+    if isinstance(a, np.ndarray | np.generic) or isinstance(b, np.ndarray | np.generic):
+        a, b = (np.asarray(x) if isinstance(x, np.generic) else x for x in (a, b))   # a 0-d array's scalar
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, random.Random):
+        return a.getstate() == b.getstate()
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _same(vars(a), vars(b))
+    return bool(a == b)
 
 
 @pytest.mark.usefixtures("flower_task")
@@ -92,7 +122,8 @@ def _federate(run_config: dict[str, Any], run_id: int) -> tuple[Any, Clients, An
 def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     # ---- 1. one round through server loop, wire and ClientApp
     one = _run_config(name, extra, tmp_path, "restarted", rounds=1)
-    strategy, clients, cfg = _federate(one, run_id=1)
+    before: dict[str, Any] = {}
+    strategy, clients, cfg = _federate(one, run_id=1, before=before)
     initial = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
     roles = parameter_roles(cfg.strategy, strategy.model)
     assert set(roles) == set(strategy.model.state_dict())
@@ -106,6 +137,13 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     assert sorted(record["clients"]) == sorted(strategy.client_ids)
     assert all(0.0 <= m["accuracy"] <= 1.0 for m in record["clients"].values())
 
+    # ---- 5. a round changes only the carried state (the checkpoint's part is checked in 2.)
+    changed = sorted(k for k, v in vars(strategy).items()
+                     if k not in ("data", "model") and (k not in before or not _same(before[k], v)))
+    assert set(changed) <= set(strategy.carried_state), (
+        f"{name}: a round wrote {sorted(set(changed) - set(strategy.carried_state))} on the strategy; return "
+        "what a round computes from aggregate_updates, or declare what later rounds need in carried_state")
+
     # ---- 2. checkpoint round trip
     run_dir = tmp_path / "restarted"
     last, groups, meta = load_checkpoint(run_dir, checkpoint_identity(cfg, len(strategy.client_ids)))
@@ -113,6 +151,9 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     groups.pop("_rng", None)
     restored = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
     restored.load_state(groups, meta["strategy_state"])
+    for attribute in strategy.carried_state:
+        if attribute != "directory":   # which node serves which client: learned again after a restart
+            assert _same(getattr(restored, attribute), getattr(strategy, attribute)), f"{name}: {attribute}"
     for cid in strategy.client_ids:
         sent, again = strategy.payload_for(cid), restored.payload_for(cid)
         assert sorted(sent) == sorted(again)
