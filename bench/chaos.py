@@ -170,9 +170,11 @@ def start(mode: str, args: list[str], log: Path) -> subprocess.Popen:
 
 
 def completed(run_dir: Path, since: float) -> bool:
+    """Whether the run finished since ``since``: completed, or ``partial`` (some clients missing
+    from the final numbers; then compared with its twin like any other)."""
     summary = run_dir / "summary.json"
     return (summary.exists() and summary.stat().st_mtime >= since
-            and json.loads(summary.read_text()).get("status", "").startswith("completed"))
+            and json.loads(summary.read_text()).get("status", "").startswith(("completed", "partial")))
 
 
 def numbers(run_dir: Path) -> dict[str, Any]:
@@ -180,17 +182,17 @@ def numbers(run_dir: Path) -> dict[str, Any]:
     rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return {"summary": {k: s.get(k) for k in ("accuracy_mean", "accuracy_min", "clients")},
             "rounds": [{"round": r["round"], "clients": r.get("clients"), "failed": r.get("failed", {}),
-                        "train": r.get("train")} for r in rounds]}
+                        "eval_failed": r.get("eval_failed") or {}, "train": r.get("train")} for r in rounds]}
 
 
 def compare(chaos: dict[str, Any], twin: dict[str, Any]) -> str:
-    """identical, explained (each round that differs, or follows one that does, comes after a
-    round whose ``failed`` names a client), or differs."""
+    """identical, explained (each round that differs, or follows one that does, comes at or
+    after a round whose ``failed`` or ``eval_failed`` names a client), or differs."""
     if chaos == twin:
         return "identical"
-    first_failure = next((r["round"] for r in chaos["rounds"] if r["failed"]), None)
+    first_failure = next((r["round"] for r in chaos["rounds"] if r["failed"] or r["eval_failed"]), None)
     first_difference = next((a["round"] for a, b in zip(chaos["rounds"], twin["rounds"], strict=False) if a != b),
-                            None)
+                            chaos["rounds"][-1]["round"] if chaos["rounds"] else None)   # else the summary
     if first_failure is not None and first_difference is not None and first_difference >= first_failure:
         return "explained"
     return "differs"

@@ -6,8 +6,10 @@ environment of the processes they start, ``PFLOWER_FAULTS`` to a JSON object::
     {"crash_clients": ["1"], "crash_round": 2, "nan_clients": [], "nan_round": 0}
 
 ``crash_*``: the ClientApp of those clients raises in training in that round (0 = every
-round); ``nan_*``: their training reply carries NaN arrays instead of their update. Nothing
-of this is in the run's configuration: a production ClientApp has no such mod.
+round); ``nan_*``: their training reply carries NaN arrays instead of their update;
+``exit_*``: the process running their ClientApp exits at once (a simulation's Ray worker, a
+deployment's runner), once per ``exit_once`` file: the first to hit creates it. Nothing of
+this is in the run's configuration: a production ClientApp has no such mod.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,15 +37,21 @@ class Faults:
     crash_round: int = 0
     nan_clients: frozenset[str] = frozenset()
     nan_round: int = 0
+    exit_clients: frozenset[str] = frozenset()
+    exit_round: int = 0
+    exit_once: str = ""
 
     @classmethod
     def parse(cls, text: str) -> Faults:
         spec = json.loads(text)
-        unknown = set(spec) - {"crash_clients", "crash_round", "nan_clients", "nan_round"}
+        unknown = set(spec) - {"crash_clients", "crash_round", "nan_clients", "nan_round", "exit_clients",
+                               "exit_round", "exit_once"}
         if unknown:
             raise ValueError(f"{FAULTS_ENV}: unknown keys {sorted(unknown)}")
         return cls(frozenset(map(str, spec.get("crash_clients", []))), int(spec.get("crash_round", 0)),
-                   frozenset(map(str, spec.get("nan_clients", []))), int(spec.get("nan_round", 0)))
+                   frozenset(map(str, spec.get("nan_clients", []))), int(spec.get("nan_round", 0)),
+                   frozenset(map(str, spec.get("exit_clients", []))), int(spec.get("exit_round", 0)),
+                   str(spec.get("exit_once", "")))
 
     @staticmethod
     def _hit(clients: frozenset[str], at: int, client_id: str, server_round: int) -> bool:
@@ -53,6 +62,19 @@ class Faults:
 
     def uploads_nan(self, client_id: str, server_round: int) -> bool:
         return self._hit(self.nan_clients, self.nan_round, client_id, server_round)
+
+    def exits(self, client_id: str, server_round: int) -> bool:
+        """Whether this process exits now: at every hit, or only the first when ``exit_once``
+        names a file (the first hit creates it)."""
+        if not self._hit(self.exit_clients, self.exit_round, client_id, server_round):
+            return False
+        if not self.exit_once:
+            return True
+        try:
+            Path(self.exit_once).open("x").close()
+        except FileExistsError:
+            return False
+        return True
 
 
 def with_nan_arrays(reply: Message) -> Message:
@@ -71,6 +93,8 @@ def fault_injection_mod(msg: Message, context: Context, call_next: Any) -> Messa
     config = msg.content.config_records.get(CONFIG_KEY)
     client_id = client_id_of(context, config)
     server_round = int(config.get("server-round", 0)) if config is not None else 0
+    if faults.exits(client_id, server_round):
+        os._exit(1)          # the worker process dies mid-message, as a killed one does
     if faults.crashes(client_id, server_round):
         raise RuntimeError(f"injected fault: client {client_id} crashes in round {server_round} ({FAULTS_ENV})")
     reply = call_next(msg, context)

@@ -149,6 +149,19 @@ def is_deployment_grid(grid: Any) -> bool:
     return http_grid is not None and isinstance(grid, http_grid)
 
 
+# Flower's Ray backend (``flwr/simulation/ray_transport/ray_actor.py``,
+# ``BasicActorPool._fetch_future_result``): when a worker process dies (killed, out of memory)
+# Ray raises RayActorError, Flower flags the actor for removal, re-raises, and never starts a
+# new one; the error reaches the ServerApp as the reply's error reason, with Ray's words.
+RAY_WORKER_LOST = ("The actor is dead", "RayActorError", "ActorDiedError")
+
+
+def simulation_worker_lost(reason: str) -> bool:
+    """Whether a reply's error ``reason`` says the simulation's Ray backend lost the worker
+    process that ran the client (Flower 1.39 and 1.42 alike)."""
+    return any(marker in reason for marker in RAY_WORKER_LOST)
+
+
 def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
                      on_reply: Callable[[Any], Any] | None = None) -> list[Any]:
     """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds and

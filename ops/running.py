@@ -166,6 +166,7 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
     from ops.deployment.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
     from ops.progress import RUN_LOG, RunOutput, run_progress
     from ops.recovery import death_reason, keep_evidence
+    from server.loop import SimulationWorkerLost
 
     run = run_settings(cfg).run
     run_dir = run.run_dir
@@ -190,6 +191,9 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
             with contextlib.suppress(OSError):
                 evidence = keep_evidence(link.workdir, run_dir, attempt, info, log_text)
             if fresh(run_dir / "FAILED", started):   # the ServerApp said why
+                said = _read(run_dir / "FAILED")
+                if said.startswith(SimulationWorkerLost.__name__):   # the engine, not the run: recover
+                    return Attempt(code, died=said.splitlines()[0], evidence=evidence)
                 return Attempt(code, evidence=evidence)
             reason = death_reason(code, info, _read(link.workdir / "superlink.log") + log_text, watch.reason)
             return Attempt(code, died=reason, evidence=evidence)

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from common.bundles import send_and_receive
 from common.config import run_settings
+from common.flower_compat import is_deployment_grid, simulation_worker_lost
 from common.protocol import EVALUATE_ROUND
 from common.settings import RunKeys
 from common.timing import note, part, timed, timing_folder
@@ -51,6 +52,26 @@ def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict
     if num_clients is not None:
         ident["num_clients"] = int(num_clients)
     return ident
+
+
+class SimulationWorkerLost(RuntimeError):
+    """The simulation's Ray backend lost a worker process (killed, out of memory). Flower
+    removes its actor and starts no other, so the clients it served would fail every later
+    round and the run would go on with fewer clients than it was asked for. The round is given
+    up before it is recorded or checkpointed; ``pflower run`` resumes the run from its last
+    checkpoint on a fresh simulation (``recoveries.jsonl``), which ends where an undisturbed
+    run ends."""
+
+
+def stop_if_worker_lost(grid: Grid, replies: list[Message], server_round: int) -> None:
+    """Raise :class:`SimulationWorkerLost` when a reply of a simulation says its worker died."""
+    if is_deployment_grid(grid):     # a deployment's nodes are processes of their own
+        return
+    for msg in replies:
+        if msg.has_error() and simulation_worker_lost(msg.error.reason):
+            raise SimulationWorkerLost(
+                f"round {server_round}: the simulation lost the worker process of a client ({msg.error.reason[:160]}); "
+                "resume the run from its checkpoint (pflower run does it by itself)")
 
 
 def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
@@ -103,6 +124,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     with part("replies"):   # the clients' work, and each reply taken in as it arrives
         replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take)
     train.messages.clear()
+    stop_if_worker_lost(grid, replies, server_round)
     pending = fused.take()
     if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
         with part("evaluate"):
@@ -200,6 +222,7 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_
     evaluate = strategy.begin_evaluate(server_round, {**base_config, "final": server_round == run.rounds}, grid,
                                        carried=train_replies or (), train=train)
     replies = send_and_receive(grid, evaluate.messages, timeout=run.round_timeout) if evaluate.messages else []
+    stop_if_worker_lost(grid, replies, server_round)
     evaluation = strategy.evaluation_of(evaluate, replies)
     summary = evaluation.summary()
     if summary is None:
