@@ -44,13 +44,12 @@ TABLES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "styled-digits-personalised": ("docs/results.md", EVERY_METHOD, "0"),
     "fashion-domains-personalised": ("docs/results.md", EVERY_METHOD, "0"),
 }
-WHERE = WHERE_KEYS   # keys that say where a run goes, not what it computes
 
 
 def resolved(experiment: str, strategy: str) -> dict:
     cfg = compose_config({}, [f"experiment={experiment}", f"strategy={strategy}"])
     out = OmegaConf.to_container(cfg, resolve=True)
-    return {k: v for k, v in out.items() if k not in WHERE}   # type: ignore[union-attr]
+    return {k: v for k, v in out.items() if k not in WHERE_KEYS}   # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("experiment", sorted(TABLES))
@@ -85,7 +84,7 @@ KEPT_RUNS = sorted((REPO / "docs" / "runs").glob("*/*/config.yaml"))
 def _what_it_computes(cfg: dict) -> dict:
     """A composed configuration less where its run and its data lie (``dataset.root``: the
     same idx files, checked by MD5 when installed, wherever they are)."""
-    out = {k: v for k, v in cfg.items() if k not in WHERE}
+    out = {k: v for k, v in cfg.items() if k not in WHERE_KEYS}
     out["dataset"] = {k: v for k, v in out["dataset"].items() if k != "root"}
     return out
 
@@ -96,7 +95,7 @@ def test_each_kept_run_is_what_its_command_composes_today(config: Path) -> None:
     reuses as done. Each must be what its own command line composes today; a default changed
     under them fails here, and the kept runs must be measured again (their folder removed)."""
     overrides = [o for o in yaml.safe_load((config.parent / "overrides.json").read_text())["overrides"]
-                 if o.partition("=")[0] not in (*WHERE, "dataset.root")]
+                 if o.partition("=")[0] not in WHERE_KEYS]
     today = OmegaConf.to_container(compose_config({}, [*overrides, "dataset.root=/data"]), resolve=True)
     kept = _what_it_computes(yaml.safe_load(config.read_text()))
     now = _what_it_computes(today)   # type: ignore[arg-type]
