@@ -83,7 +83,11 @@ def configuration(run_dir: Path) -> dict[str, str]:
         else:
             flat[prefix[:-1]] = json.dumps(node, sort_keys=True)
 
-    walk(yaml.safe_load(path.read_text()) or {}, "")
+    try:
+        walk(yaml.safe_load(path.read_text()) or {}, "")
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not a readable config ({err}); copy it again from the run, or remove "
+                         "it to group this run by strategy, dataset and model") from None
     return {k: v for k, v in flat.items() if k not in (*WHERE_KEYS, "seed")}
 
 

@@ -53,6 +53,15 @@ def test_a_second_run_of_a_seed_is_left_out_and_named(tmp_path: Path) -> None:
     assert "Left out of `ditto`: a-s0-rerun (acc mean 0.1000), a second run of seed 0; the row has a-s0." in table
 
 
+def test_a_damaged_config_is_named_and_compare_exits_2(tmp_path: Path, capsys) -> None:
+    from ops.compare import print_comparison
+
+    run = _run(tmp_path, "a-s0", 0, [0.5], 0.1)
+    (run / "config.yaml").write_text("strategy: [unclosed\n")
+    assert print_comparison([run]) == 2
+    assert f"{run / 'config.yaml'} is not a readable config" in capsys.readouterr().err
+
+
 def test_runs_without_a_config_are_grouped_by_strategy_dataset_and_model(tmp_path: Path) -> None:
     dirs = [_run(tmp_path, "a-s0", 0, [0.5], 0.1), _run(tmp_path, "b-s1", 1, [0.7], 0.01)]
     for d in dirs:
