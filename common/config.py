@@ -24,6 +24,7 @@ from common.settings import (
     GROUP_KEYS,
     FinetuneSettings,
     PersonalizeSettings,
+    PrivacySettings,
     RunKeys,
     Settings,
     TrainSettings,
@@ -314,8 +315,42 @@ def validate_config(cfg: DictConfig) -> None:
     if needs and str(cfg.model.name) not in needs:
         problems.append(f"strategy {cfg.strategy.name!r} needs model {' or '.join(needs)}, got "
                         f"model={cfg.model.name!r}")
+    if not problems:
+        problems.extend(privacy_problems(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def privacy_problems(cfg: DictConfig) -> list[str]:
+    """Why ``privacy.dp=central`` cannot run as configured (empty when it can, or is off): a
+    method whose rule needs each client's own upload, a Flower without the accountant, rounds
+    that would spend more than ``privacy.max_epsilon``."""
+    from common.privacy import planned_sample, projected_epsilon, rounds_within
+    from learning.data import num_clients
+
+    settings = run_settings(cfg)
+    privacy, run = settings.privacy, settings.run
+    if not privacy.central:
+        return []
+    row = method(settings.strategy, cfg.strategy)
+    if row.not_private:
+        return [f"privacy.dp=central does not apply to {settings.strategy}: {row.not_private}; use "
+                "privacy.dp=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, fedbabu, "
+                "ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
+    population = num_clients(cfg.dataset)
+    sampled = planned_sample(population, run.fraction_train, run.min_train_clients)
+    try:
+        spent = projected_epsilon(privacy, sampled, population, run.rounds)
+    except ImportError as err:
+        return [str(err)]
+    fit = rounds_within(privacy, sampled, population, run.rounds)
+    if fit < run.rounds:
+        return [f"privacy.max_epsilon={privacy.max_epsilon:g}: {run.rounds} rounds of {sampled} of {population} "
+                f"clients spend epsilon {spent:.3g} at delta {privacy.delta:g} (noise_multiplier="
+                f"{privacy.noise_multiplier:g}); " + (f"at most {fit} rounds fit: set rounds={fit}" if fit else
+                                                      "not even one round fits")
+                + ", or raise privacy.noise_multiplier or privacy.max_epsilon"]
+    return []
 
 
 def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
@@ -324,7 +359,7 @@ def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
     return {"run": (RunKeys, run_keys, "", "conf/config.yaml"),
             **{group: (cls, cfg.get(group) or {}, group, "conf/config.yaml")
                for group, cls in (("train", TrainSettings), ("finetune", FinetuneSettings),
-                                  ("personalize", PersonalizeSettings))}}
+                                  ("personalize", PersonalizeSettings), ("privacy", PrivacySettings))}}
 
 
 # id(cfg) -> its settings, for read-only (composed) configs while they live
@@ -346,7 +381,7 @@ def run_settings(cfg: DictConfig) -> Settings:
     except ValueError as err:
         raise ConfigError(f"invalid configuration: {err}") from None
     settings = Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
-                        personalize=typed["personalize"], strategy=str(cfg.strategy.name),
+                        personalize=typed["personalize"], privacy=typed["privacy"], strategy=str(cfg.strategy.name),
                         dataset=str(cfg.dataset.name), model=str(cfg.model.name))
     if OmegaConf.is_readonly(cfg):
         _SETTINGS[key] = settings

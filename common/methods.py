@@ -46,6 +46,8 @@ class Method:
     options: str = "common.options:MethodOptions"   # "module:Class" of its options
     models: tuple[str, ...] = ()             # models it works with (empty = any; first = default)
     wrapper: str = ""                        # "module:function" wrapping the network (FedBasis' bases)
+    not_private: str = ""                    # why the server rule needs each client's own upload, so neither
+                                             # DP of the mean nor secure aggregation applies ("" = it can)
     variants: tuple[tuple[str, Method], ...] = ()   # (option that must be true, the variant's row)
 
 

@@ -30,7 +30,7 @@ BN_PROTOCOLS = (BN_OWN, BN_STORED)
 BN_PROTOCOL_OF_SETTING = {"recompute": BN_OWN, "stored": BN_STORED}
 
 # the top-level keys of conf/config.yaml that are config groups, not run keys
-GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize")
+GROUP_KEYS = ("strategy", "dataset", "model", "train", "finetune", "personalize", "privacy")
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,36 @@ def personalising_optim(lr: float, batch_size: int, momentum: float, weight_deca
                        epochs=1, clip=train.clip, optimizer=train.optimizer)
 
 
+DP_MODES = ("none", "central")
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """``privacy``: client-level differential privacy of the shared part (docs/privacy.md)."""
+
+    dp: str
+    clip_norm: float
+    noise_multiplier: float
+    delta: float
+    max_epsilon: float | None
+    noise_seed: int | None
+
+    def __post_init__(self) -> None:
+        one_of("privacy.dp", self.dp, DP_MODES)
+        finite("privacy.clip_norm", self.clip_norm, 0.0, strict=True)
+        finite("privacy.noise_multiplier", self.noise_multiplier, 0.0, strict=True)
+        check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
+        if self.max_epsilon is not None:
+            finite("privacy.max_epsilon", self.max_epsilon, 0.0, strict=True)
+        check(self.noise_seed is None or self.noise_seed >= 0,
+              f"privacy.noise_seed must be null (the OS's randomness) or >= 0, got {self.noise_seed}")
+
+    @property
+    def central(self) -> bool:
+        """Whether the server clips the shared updates and noises their mean."""
+        return self.dp == "central"
+
+
 @dataclass(frozen=True)
 class Settings:
     """One composed run's settings, typed: what every module reads instead of casting the
@@ -218,6 +248,7 @@ class Settings:
     train: TrainSettings
     finetune: FinetuneSettings
     personalize: PersonalizeSettings
+    privacy: PrivacySettings
     strategy: str
     dataset: str
     model: str

@@ -95,7 +95,8 @@ def overrides_help() -> str:
   stream_replies_mb,
   train.{{lr,local_epochs,batch_size,momentum,weight_decay,optimizer,amp}},
   dataset.{{root,clients_per_domain,new_clients_per_domain,partition,dirichlet_alpha,image_size}},
-  strategy.<option> (see conf/strategy/<name>.yaml), finetune.*, personalize.*
+  strategy.<option> (see conf/strategy/<name>.yaml), finetune.*, personalize.*,
+  privacy.{{dp,clip_norm,noise_multiplier,delta,max_epsilon,noise_seed}} (docs/privacy.md)
   e.g.  pflower run strategy=fdse --num-gpus 0.25 rounds=5
         pflower run dataset=imagefolder dataset.root=/data/my-digits strategy=fedbn
 A run writes <results_root>/<run_name>/ (default name [<experiment>-]<strategy>-<dataset>-

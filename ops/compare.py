@@ -188,6 +188,16 @@ RELATIVE_LEGEND = ("R-Acc: mean over clients of (acc - acc of that client's Loca
                    "their Local run's (FEDORA, KDD 2023; the Local run of the same seed).")
 
 
+def privacy_text(runs: list[dict[str, Any]]) -> str:
+    """The spent epsilon at its delta of a row's runs (summary.json's ``privacy``): "none"
+    without differential privacy; each distinct value once."""
+    spent = sorted({(round(float(r["privacy"]["epsilon"]), 4), float(r["privacy"]["delta"]))
+                    for r in runs if "privacy" in r})
+    if not spent:
+        return "none"
+    return ", ".join(f"{eps:.4g} ({delta:g})" for eps, delta in spent)
+
+
 def _fmt(values: list[float]) -> str:
     if not values:
         return "-"
@@ -205,7 +215,10 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
     show_best_rel = show_rel and all(client_accuracies(r, "best") for r in runs)
     show_bn = any("bn_protocols" in r for r in runs)
+    show_dp = any("privacy" in r for r in runs)
     header += ["acc mean by seed", "machine"]
+    if show_dp:
+        header += ["DP epsilon (delta)"]
     if show_bn:
         header += ["BN stats", *[f"{label} ({p} BN)" for p in BN_PROTOCOLS for _, label in BN_COLUMNS]]
     if show_rel:
@@ -219,6 +232,8 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
         for key, _ in COLUMNS:
             cells.append(_fmt([r[key] for r in members if key in r]))
         cells += [", ".join(f"{r['accuracy_mean']:.4f}" for r in members), machines(members)]
+        if show_dp:
+            cells.append(privacy_text(members))
         if show_bn:
             cells.append(", ".join(sorted({bn_label(r) for r in members})))
             for protocol in BN_PROTOCOLS:

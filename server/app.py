@@ -49,7 +49,8 @@ def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> Person
     settings = run_settings(cfg)
     cls = strategy_class(settings.strategy, cfg.strategy)
     return cls(initial_arrays=get_arrays(model), client_ids=data.client_ids,
-               run=RunSettings.from_run_keys(settings.run, len(data.client_ids)), options=dict(cfg.strategy),
+               run=RunSettings.from_run_keys(settings.run, len(data.client_ids), settings.privacy),
+               options=dict(cfg.strategy),
                model=model, data=data)
 
 
@@ -96,7 +97,10 @@ def main(grid: Grid, context: Context) -> None:
         strategy = build_strategy(cfg, data)
         run_federation(strategy, grid, cfg, recorder)
         (recorder.dir / "FAILED").unlink(missing_ok=True)
-        summary = recorder.finish(client_info(data), strategy.summary_extras())
+        extras = strategy.summary_extras()
+        if strategy.privacy is not None:
+            extras["privacy"] = strategy.privacy.summary()
+        summary = recorder.finish(client_info(data), extras)
     except Exception as err:
         log(ERROR, "pflower run failed: %s", err)
         try:

@@ -8,7 +8,8 @@ metric as ``train/<name>`` (loss, and the methods' own: PartialFed's gate probab
 ``p_global/<unit>``, FEDORA's ``lambda``, ...), ``communication/bytes_up|down``,
 ``time/round_s``, ``clients/failed``, and the method's diagnostics from
 notes its aggregation returns as ``method/<path>`` (FedBasis' basis entropy and coefficients, FDSE's
-consensus weights, ...). At the end the run's hyper-parameters with its final numbers
+consensus weights, ...), and with differential privacy ``privacy/epsilon|delta|noise_std|clipped|...``
+(docs/privacy.md). At the end the run's hyper-parameters with its final numbers
 (TensorBoard's HPARAMS tab), and the resolved config as text.
 
 Written only when the optional ``tensorboard`` package is installed (``pip install
@@ -52,7 +53,7 @@ def flatten_scalars(tree: Any, prefix: str) -> dict[str, float]:
 
 # keys of a round record that are not diagnostics of the method
 _RECORD_KEYS = {"round", "train", "communication", "sampled", "failed", "rejected", "evaluate",
-                "clients", "eval_failed", "elapsed_s"}
+                "clients", "eval_failed", "elapsed_s", "privacy"}
 
 
 def evaluation_scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -83,6 +84,7 @@ def round_scalars(record: Mapping[str, Any], round_s: float | None = None) -> di
     out["clients/failed"] = float(len(record.get("failed") or {}) + len(record.get("rejected") or {}))
     if round_s is not None:
         out["time/round_s"] = float(round_s)
+    out.update(flatten_scalars(record.get("privacy") or {}, "privacy"))   # epsilon, noise_std, clipped, ...
     method = flatten_scalars({k: v for k, v in record.items() if k not in _RECORD_KEYS}, "method")
     out.update(dict(list(method.items())[:MAX_METHOD_TAGS]))
     out.update(evaluation_scalars(record))

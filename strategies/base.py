@@ -28,6 +28,7 @@ rounds need, saved by :meth:`state`) and, if it needs to, :meth:`payload_for`,
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,12 +42,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from common.methods import method_options, parameter_roles
+from common.methods import method, method_options, parameter_roles
 from common.options import MethodOptions
+from common.privacy import planned_sample
 from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
-from common.roles import FROZEN, LOCAL, UPLOADED, keys_with
+from common.roles import FROZEN, LOCAL, SHARED, UPLOADED, keys_with
+from common.settings import PrivacySettings
 from learning.params import NDArrays, RunningMean, num_bytes, weighted_mean
 from strategies.addressing import ClientDirectory, Exchange
+from strategies.privacy import CentralDP
 from strategies.replies import (
     ClientUpdate,
     Evaluation,
@@ -87,6 +91,7 @@ class RunSettings:
     stream_replies_mb : fold a round's train replies into the mean as they arrive once the
         round's uploads are expected to exceed this many MB (0 = always; None = never), for a
         method whose rule is the mean (:meth:`PersonalizedStrategy.streams_round`).
+    privacy : the ``privacy`` group (differential privacy of the shared part); None = none.
     """
 
     seed: int
@@ -98,15 +103,17 @@ class RunSettings:
     norm_bound: float
     run_dir: Path | None = None
     stream_replies_mb: float | None = None
+    privacy: PrivacySettings | None = None
 
     @classmethod
-    def from_run_keys(cls, run: RunKeys, num_clients: int) -> RunSettings:
+    def from_run_keys(cls, run: RunKeys, num_clients: int,
+                      privacy: PrivacySettings | None = None) -> RunSettings:
         """The strategy's share of the run keys (``min_train_clients`` capped at the clients)."""
         return cls(seed=run.seed, rounds=run.rounds, fraction_train=run.fraction_train,
                    min_train_clients=min(run.min_train_clients, num_clients),
                    wait_for_clients=run.wait_for_clients, round_timeout=run.round_timeout,
                    norm_bound=run.norm_bound, run_dir=run.run_dir,
-                   stream_replies_mb=run.stream_replies_mb)
+                   stream_replies_mb=run.stream_replies_mb, privacy=privacy)
 
 
 @dataclass
@@ -231,7 +238,7 @@ class PersonalizedStrategy(Strategy):
     # client, learned again after a restart). What a round computes for its record is
     # returned by :meth:`aggregate_updates`, never kept here; tests/test_method_contract.py
     # checks both for every method.
-    carried_state: ClassVar[tuple[str, ...]] = ("global_arrays", "personal", "rng", "directory")
+    carried_state: ClassVar[tuple[str, ...]] = ("global_arrays", "personal", "rng", "directory", "privacy")
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], run: RunSettings,
                  options: Mapping[str, Any], model: nn.Module | None = None, data: Any = None) -> None:
@@ -252,6 +259,21 @@ class PersonalizedStrategy(Strategy):
         # those four wrappers use them; pflower's loop passes the round objects itself)
         self._flower_train: TrainRound | None = None
         self._flower_evaluate: EvaluateRound | None = None
+        self.privacy = self._central_dp(run.privacy)
+
+    def _central_dp(self, settings: PrivacySettings | None) -> CentralDP | None:
+        """DP-FedAvg of the shared part (``privacy.dp=central``): the tensors of the shared
+        role (every uploaded one when no model gives the roles); a method whose rule needs
+        each client's own upload refuses it (its YAML row's ``not_private``)."""
+        if settings is None or not settings.central:
+            return None
+        why = method(self.name, dataclasses.asdict(self.options)).not_private
+        if why:
+            raise ValueError(f"privacy.dp=central does not apply to {self.name}: {why}")
+        population = len(self.client_ids)
+        shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)
+        return CentralDP(settings, population, planned_sample(population, self.run.fraction_train,
+                                                              self.run.min_train_clients), shared)
 
     # ------------------------------------------------------------------ method hooks
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -309,8 +331,10 @@ class PersonalizedStrategy(Strategy):
         return weighted_mean([{k: u.arrays[k] for k in keys} for u in uploaded], self.weights_of(uploaded))
 
     def weights_of(self, updates: list[ClientUpdate]) -> list[float]:
-        """Each update's weight in the mean: its sample count, or 1 with ``weighted=false``."""
-        return [float(u.num_examples) if self.weighted else 1.0 for u in updates]
+        """Each update's weight in the mean: its sample count, or 1 with ``weighted=false`` or
+        with differential privacy (DP-FedAvg's mean is unweighted: a client's weight would
+        scale its sensitivity)."""
+        return [float(u.num_examples) if self.weighted and self.privacy is None else 1.0 for u in updates]
 
     def streams_round(self, server_round: int, sent: Mapping[str, NDArrays]) -> bool:
         """Whether this round folds each train reply into the mean as it arrives (server memory:
@@ -318,7 +342,7 @@ class PersonalizedStrategy(Strategy):
         expected (from what was ``sent``) to exceed ``stream_replies_mb``. Not bit for bit the
         client-order mean (:class:`learning.params.RunningMean`), hence only past the limit."""
         limit = self.run.stream_replies_mb
-        if not self.mean_rule or limit is None:
+        if not self.mean_rule or limit is None or self.privacy is not None:   # DP clips the replies first
             return False
         return limit == 0 or sum(num_bytes(p) for p in sent.values()) / 1e6 > limit
 
@@ -383,7 +407,7 @@ class PersonalizedStrategy(Strategy):
         absent = set(round_log.failed) | set(round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
-        notes = self.aggregate_updates(train, updates) or {}
+        notes = self.aggregate_private(train, updates, len(round_log.sampled))
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:
@@ -391,6 +415,35 @@ class PersonalizedStrategy(Strategy):
                 else:
                     self.personal.pop(cid, None)
         return TrainResult(mean_train_metrics(updates), round_log, notes)
+
+    def aggregate_private(self, train: TrainRound, updates: list[ClientUpdate], sampled: int) -> dict[str, Any]:
+        """:meth:`aggregate_updates`, and with ``privacy.dp=central`` DP-FedAvg around it: each
+        upload's shared update clipped before the method's (unweighted) mean, Gaussian noise
+        added to the new shared tensors after it, and the round of ``sampled`` clients
+        accounted; the round's notes (with a ``privacy`` entry then)."""
+        if self.privacy is None:
+            return self.aggregate_updates(train, updates) or {}
+        updates, norms = self._clipped(train, updates)
+        notes = self.aggregate_updates(train, updates) or {}
+        if norms:      # something was averaged, so something is released
+            self.global_arrays = self.privacy.add_noise(self.global_arrays, len(norms), train.server_round)
+            self.privacy.account(sampled)
+            notes = {**notes, "privacy": self.privacy.notes(norms, len(norms))}
+        return notes
+
+    def _clipped(self, train: TrainRound, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], list[float]]:
+        """Each upload with its shared update (from what it was sent) clipped to
+        ``privacy.clip_norm``, and the norms before clipping (of the uploads only)."""
+        assert self.privacy is not None
+        clipped, norms = [], []
+        for u in updates:
+            if not u.arrays:
+                clipped.append(u)
+                continue
+            arrays, norm = self.privacy.clip(u.arrays, train.sent.get(u.client_id, self.global_arrays))
+            clipped.append(dataclasses.replace(u, arrays=arrays))
+            norms.append(norm)
+        return clipped, norms
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -456,7 +509,10 @@ class PersonalizedStrategy(Strategy):
         groups: dict[str, NDArrays] = {"global": dict(self.global_arrays)}
         for cid, arrays in self.personal.items():
             groups[f"personal/{cid}"] = dict(arrays)
-        return groups, {"rng": _rng_to_json(self.rng.getstate()), "name": self.name}
+        meta: dict[str, Any] = {"rng": _rng_to_json(self.rng.getstate()), "name": self.name}
+        if self.privacy is not None:
+            meta["privacy"] = self.privacy.state()
+        return groups, meta
 
     def load_state(self, groups: Mapping[str, NDArrays], meta: Mapping[str, Any]) -> None:
         """Restore what :meth:`state` returned."""
@@ -464,6 +520,14 @@ class PersonalizedStrategy(Strategy):
         self.personal = {k.split("/", 1)[1]: dict(v) for k, v in groups.items() if k.startswith("personal/")}
         if "rng" in meta:
             self.rng.setstate(_rng_from_json(meta["rng"]))
+        if self.privacy is None and "privacy" in meta:
+            raise ValueError("the checkpoint was taken with privacy.dp=central; resume it with the privacy "
+                             "settings it ran with (its config.yaml), or its later models are not private")
+        if self.privacy is not None:
+            if "privacy" not in meta:
+                raise ValueError("the checkpoint was taken without privacy.dp=central; resume it with the "
+                                 "privacy settings it ran with (its config.yaml)")
+            self.privacy.load_state(meta["privacy"])
 
 
 def _rng_to_json(state: tuple) -> list:

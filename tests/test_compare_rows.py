@@ -88,3 +88,26 @@ def test_the_printed_command_gives_the_fashion_mnist_rows_of_fedora_md() -> None
         assert row[5] in line, (label, row[5], line)
     assert _row(table, "ditto (strategy.lam=1)")[3] == "0"
     assert re.search(r"Left out of `ditto \(strategy.lam=0.1\)`: \S+-s0-257f26f8", table)
+
+
+def test_private_runs_are_rows_of_their_own_with_the_epsilon_they_spent(tmp_path: Path) -> None:
+    plain = _run(tmp_path, "plain", 0, [0.8, 0.9], 0.1)
+    private = [_run(tmp_path, f"dp-s{s}", s, [0.3, 0.4], 0.1) for s in (0, 1)]
+    for d in private:
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        config["privacy"] = {"dp": "central", "noise_multiplier": 0.3}
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+        summary = json.loads((d / "summary.json").read_text())
+        summary["privacy"] = {"dp": "central", "epsilon": 180.47998, "delta": 1e-5}
+        (d / "summary.json").write_text(json.dumps(summary))
+    table = compare_runs([plain, *private])
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    column = cells(table.splitlines()[0]).index("DP epsilon (delta)")
+    rows = {cells(line)[0]: cells(line) for line in table.splitlines() if line.startswith("| ditto")}
+    assert len(rows) == 2, table
+    dp_row = next(r for label, r in rows.items() if "privacy.dp=central" in label)
+    plain_row = next(r for label, r in rows.items() if "privacy.dp=central" not in label)
+    assert dp_row[column] == "180.5 (1e-05)" and dp_row[3] == "0,1"
+    assert plain_row[column] == "none"

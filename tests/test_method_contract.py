@@ -45,8 +45,12 @@ from server.checkpoint import load_checkpoint
 from server.loop import checkpoint_identity, run_federation
 from server.results import RunRecorder
 
+# differential privacy of the shared part (docs/privacy.md), with the noise's key fixed so that
+# the restarted and straight runs draw the same noise; every method that can take it
+DP = ["privacy.dp=central", "privacy.noise_seed=7", "privacy.clip_norm=2.0", "privacy.noise_multiplier=0.3"]
 CASES = [(name, []) for name in method_names()] + [
-    (name, [f"strategy.{flag}=true"]) for name in method_names() for flag, _ in method(name).variants]
+    (name, [f"strategy.{flag}=true"]) for name in method_names() for flag, _ in method(name).variants] + [
+    (name, DP) for name in method_names() if not method(name).not_private]
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "finetune.epochs=1",
          "checkpoint_every=1", "fraction_train=1.0", "deterministic=true"]   # bit-identical on CUDA too
 
@@ -136,6 +140,9 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
         np.testing.assert_array_equal(strategy.global_arrays[k], initial.global_arrays[k])
     assert sorted(record["clients"]) == sorted(strategy.client_ids)
     assert all(0.0 <= m["accuracy"] <= 1.0 for m in record["clients"].values())
+    if extra == DP:   # the round was clipped, noised and accounted
+        assert record["privacy"]["epsilon"] > 0 and record["privacy"]["noise_std"] > 0, record.get("privacy")
+        assert strategy.privacy is not None and strategy.privacy.ledger == [len(strategy.client_ids)]
 
     # ---- 5. a round changes only the carried state (the checkpoint's part is checked in 2.)
     changed = sorted(k for k, v in vars(strategy).items()

@@ -43,6 +43,7 @@ def test_round_scalars_name_every_number_of_a_round_record() -> None:
                            "global_accuracy_mean": 0.6, "global_accuracy_min": 0.4, "global_accuracy_std": 0.2},
               "clients": {"0": {"accuracy": 1.0}, "1": {"accuracy": 0.5}}, "eval_failed": {"2": "gone"},
               "fedbasis": {"phase": "bases", "entropy": 1.25, "coefficients": {"0": {"conv1": [0.5, 0.5]}}},
+              "privacy": {"epsilon": 4.5, "delta": 1e-5, "clipped": 2},
               "elapsed_s": 12.0}
     assert round_scalars(record, round_s=4.0) == {
         "train/loss": 0.5, "train/p_global/conv1": 0.25, "train/clients": 2.0,
@@ -52,7 +53,8 @@ def test_round_scalars_name_every_number_of_a_round_record() -> None:
         "method/fedbasis/coefficients/0/conv1/1": 0.5,
         "accuracy/mean": 0.75, "accuracy/worst": 0.5, "accuracy/std": 0.25,
         "accuracy/global/mean": 0.6, "accuracy/global/worst": 0.4, "accuracy/global/std": 0.2,
-        "clients/accuracy/0": 1.0, "clients/accuracy/1": 0.5, "clients/eval_failed": 1.0}
+        "clients/accuracy/0": 1.0, "clients/accuracy/1": 0.5, "clients/eval_failed": 1.0,
+        "privacy/epsilon": 4.5, "privacy/delta": 1e-5, "privacy/clipped": 2.0}
     assert flatten_scalars({"a": [1, float("nan"), True, "x"]}, "m") == {"m/a/0": 1.0}
 
 
