@@ -296,3 +296,13 @@ def print_comparison(runs: list[Path], out: str = "", plot: str = "") -> int:
         return 2
     print(text)
     return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pflower compare``."""
+    p = sub.add_parser("compare", help="compare run folders in one table and plot: one row per configuration "
+                                        "(seeds averaged), labelled by the keys that set it apart")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default="", help="write the Markdown table here")
+    p.add_argument("--plot", default="", help="write the comparison plot here (PNG)")
+    p.set_defaults(func=cmd_compare)

@@ -460,3 +460,16 @@ def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], 
     return run_cfg, rest
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pflower run``."""
+    from ops.options import overrides_help, run_options
+
+    p = sub.add_parser("run", help="run one simulation", parents=[run_options()], epilog=overrides_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")
+    p.add_argument("--keep-temp", action="store_true",
+                   help="keep the private SuperLink's folder (log, database) as <run folder>/superlink")
+    p.add_argument("--cpus", type=int, default=None,
+                   help="CPUs this whole run's private Ray instance may use (default: all of this machine's; "
+                        "`pflower sweep --jobs N` gives each run cores / N); --num-cpus is per client")
+    p.set_defaults(func=cmd_run)

@@ -210,3 +210,12 @@ JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one a
              "<results_root>/.sweep-logs/")
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pflower sweep``."""
+    from ops.options import batch_options, overrides_help, run_options
+
+    p = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it",
+                       parents=[run_options(), batch_options()], epilog=overrides_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="+")
+    p.set_defaults(func=cmd_sweep)

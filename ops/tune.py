@@ -170,8 +170,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """``pflower tune``, with the options it shares with run and sweep (``parents``)."""
+def add_parser(sub: Any) -> None:
+    """``pflower tune``, with the options it shares with run and sweep (``ops/options.py``)."""
+    from ops.options import batch_options, run_options
+
+    parents = [run_options(), batch_options()]
     p = sub.add_parser("tune", help="choose each method's hyper-parameters on validation accuracy, then run the "
                                     "seeds at them", description=__doc__, parents=parents,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

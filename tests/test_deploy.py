@@ -234,12 +234,14 @@ def test_a_stopped_superlink_takes_the_processes_of_its_runs_with_it(tmp_path):
 @pytest.mark.e2e
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     """``pflower deploy`` (default: TLS + SuperNode authentication): 3 SuperNodes with
-    registered keys, FedAvg then FedBN for 2 rounds each against the same SuperLink;
-    results checked; no process left behind."""
+    registered keys, FedAvg then FedBN for 2 rounds each against the same SuperLink, both
+    with differential privacy of the shared part (docs/privacy.md; the other deployment tests
+    run without it); results checked; no process left behind."""
     work = tmp_path / "work"
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work), "--timeout", "900",
-           "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}", *FAST]
+           "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}",
+           "privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10", *FAST]   # learns in 2 rounds
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("pflower deploy: done") == 2 and "(tls)" in out.stdout
@@ -253,6 +255,8 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
         recs = _rounds(results, runs[0])
         assert [r["round"] for r in recs] == [1, 2]
         assert all(sorted(r["sampled"]) == ["0", "1", "2"] and not r["failed"] for r in recs)
+        spent = [r["privacy"]["epsilon"] for r in recs]      # each round clipped, noised, accounted
+        assert 0 < spent[0] < spent[1] == _summary(results, runs[0])["privacy"]["epsilon"]
         # each SuperNode kept its state in its own node-config state-dir, under the results
         # (client state is data: it outlives the deployment's temporary folder)
         for i in range(3):

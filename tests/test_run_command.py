@@ -223,9 +223,10 @@ def test_a_torchvision_root_with_garbage_and_a_missing_root_fail_with_exit_2(tmp
 # ---------------------------------------------------------------- command line
 def test_options_may_come_anywhere_and_help_lists_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     import ops.cli as cli
+    import ops.running
 
     seen = {}
-    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(ops.running, "cmd_run", lambda args: seen.setdefault("args", args) and 0)
     assert cli.main(["run", "strategy=fdse", "--num-gpus", "0.25", "rounds=5"]) == 0
     assert seen["args"].overrides == ["strategy=fdse", "rounds=5"] and seen["args"].num_gpus == 0.25
     with pytest.raises(SystemExit):
@@ -233,7 +234,7 @@ def test_options_may_come_anywhere_and_help_lists_the_choices(monkeypatch: pytes
     code, out = _cli("run", "--help")
     assert code == 0
     for name in ("fedbasis", "partialfed-adaptive", "imagefolder", "digits-domains", "fdse-alexnet",
-                 "overwrite=true", "train."):
+                 "overwrite=true", "train.", "privacy."):
         assert name in out
 
 
