@@ -353,11 +353,26 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
+# Groups added to conf/config.yaml after runs were made, each with its off setting as its
+# default: a run folder's config.yaml written before the group existed ran with it off, and
+# reads so (pflower personalize, resume, compare and the kept-runs test of tests/test_tables.py).
+ADDED_GROUPS: dict[str, dict[str, Any]] = {
+    "privacy": {"dp": "none", "clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "max_epsilon": None,
+                "noise_seed": None},
+}
+
+
+def with_added_groups(config: dict[str, Any]) -> dict[str, Any]:
+    """A run folder's composed configuration (plain) with the groups it predates at their off
+    setting (:data:`ADDED_GROUPS`)."""
+    return {**{g: dict(v) for g, v in ADDED_GROUPS.items()}, **config}
+
+
 def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
     """``read_typed``'s arguments for the run keys and the fixed groups of ``conf/config.yaml``."""
     run_keys = {k: v for k, v in cfg.items() if k not in GROUP_KEYS}
     return {"run": (RunKeys, run_keys, "", "conf/config.yaml"),
-            **{group: (cls, cfg.get(group) or {}, group, "conf/config.yaml")
+            **{group: (cls, cfg.get(group) or ADDED_GROUPS.get(group, {}), group, "conf/config.yaml")
                for group, cls in (("train", TrainSettings), ("finetune", FinetuneSettings),
                                   ("personalize", PersonalizeSettings), ("privacy", PrivacySettings))}}
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from common.config import with_added_groups
 from common.settings import BN_PROTOCOLS
 from server.run_folder import CONFIG_FILE, WHERE_KEYS
 from server.summary import bn_label
@@ -84,7 +85,8 @@ def configuration(run_dir: Path) -> dict[str, str]:
             flat[prefix[:-1]] = json.dumps(node, sort_keys=True)
 
     try:
-        walk(yaml.safe_load(path.read_text()) or {}, "")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        walk(with_added_groups(loaded) if isinstance(loaded, dict) else loaded, "")   # groups it predates: off
     except yaml.YAMLError as err:
         raise ValueError(f"{path} is not a readable config ({err}); copy it again from the run, or remove "
                          "it to group this run by strategy, dataset and model") from None

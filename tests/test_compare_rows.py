@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from common.config import ADDED_GROUPS
 from ops.compare import compare_runs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def test_private_runs_are_rows_of_their_own_with_the_epsilon_they_spent(tmp_path
     private = [_run(tmp_path, f"dp-s{s}", s, [0.3, 0.4], 0.1) for s in (0, 1)]
     for d in private:
         config = yaml.safe_load((d / "config.yaml").read_text())
-        config["privacy"] = {"dp": "central", "noise_multiplier": 0.3}
+        config["privacy"] = {**ADDED_GROUPS["privacy"], "dp": "central", "noise_multiplier": 0.3}
         (d / "config.yaml").write_text(yaml.safe_dump(config))
         summary = json.loads((d / "summary.json").read_text())
         summary["privacy"] = {"dp": "central", "epsilon": 180.47998, "delta": 1e-5}
@@ -111,3 +112,9 @@ def test_private_runs_are_rows_of_their_own_with_the_epsilon_they_spent(tmp_path
     plain_row = next(r for label, r in rows.items() if "privacy.dp=central" not in label)
     assert dp_row[column] == "180.5 (1e-05)" and dp_row[3] == "0,1"
     assert plain_row[column] == "none"
+    # a run from before the privacy group is the plain run's configuration: one row with it
+    later = _run(tmp_path, "later", 1, [0.7, 0.8], 0.1)
+    config = yaml.safe_load((later / "config.yaml").read_text())
+    (later / "config.yaml").write_text(yaml.safe_dump({**config, "privacy": ADDED_GROUPS["privacy"]}))
+    assert "| ditto (privacy.dp=none, privacy.noise_multiplier=1.0) | digits | mlp | 0,1 |" in \
+        compare_runs([plain, later, *private])

@@ -228,3 +228,17 @@ def test_a_private_checkpoint_does_not_resume_without_privacy_nor_the_reverse() 
     resumed.load_state(groups, meta)
     assert resumed.privacy is not None and private.privacy is not None
     assert resumed.privacy.state() == private.privacy.state()
+
+
+def test_a_run_folder_from_before_the_privacy_group_reads_as_without_privacy() -> None:
+    """Runs kept from before ``privacy`` existed (docs/runs/) ran without it: their config
+    reads with the group at its off setting, which is conf/config.yaml's default today."""
+    from omegaconf import OmegaConf
+
+    from common.config import ADDED_GROUPS, run_settings, with_added_groups
+
+    today = OmegaConf.to_container(compose_config(overrides=[]), resolve=True)
+    assert isinstance(today, dict) and today["privacy"] == ADDED_GROUPS["privacy"]
+    old = {k: v for k, v in today.items() if k != "privacy"}
+    assert with_added_groups(old) == today
+    assert run_settings(OmegaConf.create(old)).privacy.dp == "none"

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from common.config import compose_config
+from common.config import compose_config, with_added_groups
 from server.run_folder import WHERE_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def test_each_kept_run_is_what_its_command_composes_today(config: Path) -> None:
     overrides = [o for o in yaml.safe_load((config.parent / "overrides.json").read_text())["overrides"]
                  if o.partition("=")[0] not in WHERE_KEYS]
     today = OmegaConf.to_container(compose_config({}, [*overrides, "dataset.root=/data"]), resolve=True)
-    kept = _what_it_computes(yaml.safe_load(config.read_text()))
+    kept = _what_it_computes(with_added_groups(yaml.safe_load(config.read_text())))   # run before privacy existed
     now = _what_it_computes(today)   # type: ignore[arg-type]
     differs = sorted(k for k in set(kept) | set(now) if kept.get(k) != now.get(k))
     assert not differs, f"{config.parent.name}: {differs} differ from what `{' '.join(overrides)}` composes today"
