@@ -1,7 +1,7 @@
 """Compare run folders: one Markdown table (mean ± std over seeds) and one plot.
 
 Runs fall in one row when their composed configurations (``config.yaml``) differ in nothing but
-the seed and where the run goes (``WHERE_KEYS``); runs without a config.yaml are grouped by
+their seeds (``SEED_KEYS``) and where the run goes (``WHERE_KEYS``); runs without a config.yaml are grouped by
 (strategy, dataset, model). Where one strategy has several rows, each is labelled by the keys
 that set it apart, e.g. ``ditto (strategy.lam=0.01)``; a second run of a seed in one row is left
 out and named under the table. Each row gives the mean and
@@ -69,8 +69,13 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+# the seeds a row's runs differ in: the run's, and the key of its DP noise (docs/privacy.md)
+SEED_KEYS = ("seed", "privacy.noise_seed")
+
+
 def configuration(run_dir: Path) -> dict[str, str]:
-    """The run's composed configuration as dotted key -> value (JSON text), without its seed and
+    """The run's composed configuration as dotted key -> value (JSON text), without its seeds
+    (:data:`SEED_KEYS`) and
     the keys that say where it goes (``WHERE_KEYS``); {} when the folder has no config.yaml."""
     path = run_dir / CONFIG_FILE
     if not path.exists():
@@ -90,7 +95,7 @@ def configuration(run_dir: Path) -> dict[str, str]:
     except yaml.YAMLError as err:
         raise ValueError(f"{path} is not a readable config ({err}); copy it again from the run, or remove "
                          "it to group this run by strategy, dataset and model") from None
-    return {k: v for k, v in flat.items() if k not in (*WHERE_KEYS, "seed")}
+    return {k: v for k, v in flat.items() if k not in (*WHERE_KEYS, *SEED_KEYS)}
 
 
 Row = tuple[str, str, str]   # (label, dataset, model)
