@@ -240,12 +240,13 @@ def bench_aggregation(sizes: list[tuple[int, int]]) -> str:
 
     import numpy as np
 
-    from bench.bench_aggregation import make_clients
+    from bench.bench_aggregation import make_clients, private_mean
     from learning.params import weighted_mean
     from strategies.fdse_math import attention_mix_many, consensus_update_many
 
-    rows = ["| K | d | input MB | one read pass s | FedAvg s (/ pass, MB) | MGDA consensus s (x, MB) | "
-            "attention s (x, MB) | propagation s (x, MB) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| K | d | input MB | one read pass s | FedAvg s (/ pass, MB) | FedAvg + DP s (x, MB) | "
+            "MGDA consensus s (x, MB) | attention s (x, MB) | propagation s (x, MB) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for k, d in sizes:
         clients = make_clients(k, d)
         w = np.random.default_rng(1).random((k, k))
@@ -253,15 +254,17 @@ def bench_aggregation(sizes: list[tuple[int, int]]) -> str:
         t_pass, _ = _timed(partial(_read_pass, clients))
         t_avg, m_avg = _timed(partial(weighted_mean, clients, [1.0] * k))
         cells = []
-        for fn in (partial(consensus_update_many, clients), partial(attention_mix_many, clients, 0.5),
-                   partial(_propagation, clients, w)):
+        reference = make_clients(1, d, seed=2)[0]
+        for fn in (partial(private_mean, clients, reference), partial(consensus_update_many, clients),
+                   partial(attention_mix_many, clients, 0.5), partial(_propagation, clients, w)):
             t, m = _timed(fn)
             cells.append(f"{t:.3f} ({t / t_avg:.1f}x, {m})")
         rows.append(f"| {k} | {d:.2g} | {k * d * 4 / 2**20:.0f} | {t_pass:.3f} | {t_avg:.3f} ({t_avg / t_pass:.1f}x, "
                     f"{m_avg}) | " + " | ".join(cells) + " |")
         del clients
     return "\n".join(["Seconds per aggregation of K float32 models of d parameters (8 tensors each); (x) = "
-                      "ratio to FedAvg; MB = peak resident memory above the inputs (host / GPU with CUDA). Targets: FedAvg <= 2x "
+                      "ratio to FedAvg; FedAvg + DP = privacy.dp=central's server work (each update clipped, the "
+                      "mean noised; docs/privacy.md); MB = peak resident memory above the inputs (host / GPU with CUDA). Targets: FedAvg <= 2x "
                       "one read pass; every rule <= 3x FedAvg at K=100, d=11.2M.", "", *rows])
 
 

@@ -432,18 +432,17 @@ class PersonalizedStrategy(Strategy):
         return notes
 
     def _clipped(self, train: TrainRound, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], list[float]]:
-        """Each upload with its shared update (from what it was sent) clipped to
-        ``privacy.clip_norm``, and the norms before clipping (of the uploads only)."""
+        """Each upload's shared update (from what it was sent) clipped to
+        ``privacy.clip_norm`` in place (its arrays replaced one upload at a time, so the round
+        holds one extra model at most), and the norms before clipping (of the uploads only)."""
         assert self.privacy is not None
-        clipped, norms = [], []
+        norms = []
         for u in updates:
-            if not u.arrays:
-                clipped.append(u)
-                continue
-            arrays, norm = self.privacy.clip(u.arrays, train.sent.get(u.client_id, self.global_arrays))
-            clipped.append(dataclasses.replace(u, arrays=arrays))
-            norms.append(norm)
-        return clipped, norms
+            if u.arrays:
+                arrays, norm = self.privacy.clip(u.arrays, train.sent.get(u.client_id, self.global_arrays))
+                u.arrays.update(arrays)
+                norms.append(norm)
+        return updates, norms
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
