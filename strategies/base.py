@@ -354,6 +354,11 @@ class PersonalizedStrategy(Strategy):
         log(INFO, "\t├──> %s: fraction_train=%.2f, min_train_clients=%d, weighted=%s",
             self.name, self.run.fraction_train, self.run.min_train_clients, self.weighted)
         log(INFO, "\t└──> %d clients expected: %s", len(self.client_ids), ", ".join(self.client_ids))
+        if self.privacy is not None:
+            p = self.privacy.settings
+            log(INFO, "\t└──> central DP of %d shared tensors: clip_norm=%g, noise_multiplier=%g, unweighted mean; "
+                "epsilon reported at delta=%g%s", len(self.privacy.shared_keys), p.clip_norm, p.noise_multiplier,
+                p.delta, f", budget {p.max_epsilon:g}" if p.max_epsilon is not None else "")
 
     # ------------------------------------------------------------------ train
     def begin_train(self, server_round: int, config: Mapping[str, Any], grid: Grid) -> TrainRound:

@@ -118,3 +118,15 @@ def test_private_runs_are_rows_of_their_own_with_the_epsilon_they_spent(tmp_path
     (later / "config.yaml").write_text(yaml.safe_dump({**config, "privacy": ADDED_GROUPS["privacy"]}))
     assert "| ditto (privacy.dp=none, privacy.noise_multiplier=1.0) | digits | mlp | 0,1 |" in \
         compare_runs([plain, later, *private])
+
+
+def test_privacy_md_holds_what_compare_prints_of_its_kept_runs() -> None:
+    """docs/privacy.md's accuracy-against-epsilon table is ``pflower compare`` of the runs kept
+    in docs/runs/privacy-digits-sources/, to the digit: a run removed or a number changed
+    fails here."""
+    page = (REPO / "docs/privacy.md").read_text()
+    assert "pflower compare docs/runs/privacy-digits-sources/*" in page
+    printed = page.split("<!-- compare: privacy-digits-sources -->\n")[1].split("\n<!-- /compare -->")[0]
+    runs = sorted((REPO / "docs/runs/privacy-digits-sources").iterdir())
+    assert len(runs) == 45, "3 methods x (no DP + 4 noise multipliers) x 3 seeds"
+    assert compare_runs(runs) == printed
