@@ -120,6 +120,8 @@ def rows_by_configuration(runs: list[dict[str, Any]]) -> tuple[dict[Row, list[di
         if len(others) > 1:
             keys = sorted(k for k in set().union(*others) if len({o.get(k) for o in others}) > 1)
             mine = dict(config)
+            if mine.get("privacy.dp") == json.dumps("none"):   # the other privacy keys do nothing then
+                keys = [k for k in keys if not k.startswith("privacy.") or k == "privacy.dp"]
             label += " (" + ", ".join(f"{k}={_value_text(mine.get(k))}" for k in keys) + ")"
         kept: dict[int, dict[str, Any]] = {}
         for r in members:
