@@ -74,7 +74,7 @@ from typing import Any
 # resolves, its Fleet API over HTTP) and 1.39 (the last whose Fleet API is gRPC). 1.40 and 1.41
 # are not tested, so they are refused.
 FLOWER_SERIES = ("1.42", "1.39")
-FLOWER_REQUIREMENT = "flwr[simulation]>=1.39,<1.43"
+FLOWER_REQUIREMENT = "flwr[simulation,dp]>=1.39,<1.43"
 
 
 class FlowerVersionError(RuntimeError):

@@ -8,12 +8,17 @@ import argparse
 
 from ops.resources import RAY_ADDRESS_HELP
 
+DEFAULT_MAX_RECOVERIES = 3   # automatic resumes of a run whose processes died
+JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another) on an equal "
+             "share of this machine's CPUs (cores / N, the run pinned to them; --num-cpus of them per client); "
+             "a run of a small model "
+             "uses about two cores, so e.g. --jobs 8 on 16 cores; each run's output goes to "
+             "<results_root>/.sweep-logs/")
+
 
 def run_options() -> argparse.ArgumentParser:
     """The options of every command that starts runs (run, sweep, tune): each simulated
     client's resources, where its Ray runs, and how often a dead run resumes by itself."""
-    from ops.running import DEFAULT_MAX_RECOVERIES
-
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--num-cpus", type=float, default=1.0,
                    help="CPUs per simulated client (a whole number; --cpus is the whole run's share)")
@@ -30,8 +35,6 @@ def run_options() -> argparse.ArgumentParser:
 def batch_options() -> argparse.ArgumentParser:
     """The options of the commands that run a batch (sweep, tune): its table, its plot, and
     how many of its runs go at once."""
-    from ops.sweep import JOBS_HELP
-
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--out", default="", help="write the batch's Markdown table here (as compare --out)")
     p.add_argument("--plot", default="", help="write the batch's comparison plot here (PNG)")

@@ -27,6 +27,7 @@ from common.config import (
 )
 from learning.data import dataset_config, num_clients
 from learning.sources import DatasetError
+from ops.options import DEFAULT_MAX_RECOVERIES, overrides_help, run_options
 from ops.resources import (
     check_client_resources,
     number_text,
@@ -40,7 +41,6 @@ from ops.resources import (
 
 EXIT_PARTIAL = 4   # the run completed but some clients are missing from its final numbers
 EXIT_INTERRUPTED = 130   # Ctrl-C or SIGTERM: every Flower process of the run was stopped
-DEFAULT_MAX_RECOVERIES = 3   # automatic resumes of a run whose processes died
 
 
 class RunFinished(Exception):
@@ -462,8 +462,6 @@ def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pflower run``."""
-    from ops.options import overrides_help, run_options
-
     p = sub.add_parser("run", help="run one simulation", parents=[run_options()], epilog=overrides_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides KEY=VALUE")

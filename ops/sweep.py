@@ -20,6 +20,7 @@ from common.config import (
     run_settings,
     split_overrides,
 )
+from ops.options import batch_options, overrides_help, run_options
 from ops.resources import core_groups, cpus_per_run, number_text, pin_to, ray_cluster, usable_cores
 from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, RunOptions, run_configuration
 
@@ -203,17 +204,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-JOBS_HELP = ("runs at once, each its own `pflower run` process (default 1: one after another) on an equal "
-             "share of this machine's CPUs (cores / N, the run pinned to them; --num-cpus of them per client); "
-             "a run of a small model "
-             "uses about two cores, so e.g. --jobs 8 on 16 cores; each run's output goes to "
-             "<results_root>/.sweep-logs/")
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pflower sweep``."""
-    from ops.options import batch_options, overrides_help, run_options
-
     p = sub.add_parser("sweep", help="run a grid (comma lists are swept) and compare it",
                        parents=[run_options(), batch_options()], epilog=overrides_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType
 
+import ops.running
 from common import flower_compat
 from ops import cli
 
@@ -48,11 +49,11 @@ def test_pflower_says_so_before_starting_anything(monkeypatch: pytest.MonkeyPatc
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     started: list[str] = []
     monkeypatch.setattr(flower_compat, "installed_flower_version", lambda: "1.40.1")
-    monkeypatch.setattr(cli, "cmd_run", lambda args: started.append("run") or 0)
+    monkeypatch.setattr(ops.running, "cmd_run", lambda args: started.append("run") or 0)
     assert cli.main(["run", "rounds=1"]) == 2
     assert started == []
     err = capsys.readouterr().err
-    assert "installed: flwr 1.40.1" in err and "pip install 'flwr[simulation]>=1.39,<1.43'" in err
+    assert "installed: flwr 1.40.1" in err and "pip install 'flwr[simulation,dp]>=1.39,<1.43'" in err
 
 
 def test_the_indexed_message_lookup_answers_as_flowers_scan() -> None:
