@@ -323,9 +323,11 @@ def validate_config(cfg: DictConfig) -> None:
 
 def privacy_problems(cfg: DictConfig) -> list[str]:
     """Why ``privacy.dp=central`` cannot run as configured (empty when it can, or is off): a
-    method whose rule needs each client's own upload, a Flower without the accountant, rounds
-    that would spend more than ``privacy.max_epsilon``."""
-    from common.privacy import planned_sample, projected_epsilon, rounds_within
+    method whose rule needs each client's own upload, checkpoints further apart than a round,
+    a Flower without the accountant, rounds that would spend more than ``privacy.max_epsilon``
+    (checked here when the clients are known before composition ends, and by the server's
+    strategy always)."""
+    from common.privacy import budget_problem
     from learning.data import num_clients
 
     settings = run_settings(cfg)
@@ -337,21 +339,19 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
         return [f"privacy.dp=central does not apply to {settings.strategy}: {row.not_private}; use "
                 "privacy.dp=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, fedbabu, "
                 "ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
+    if run.checkpoint_every > 1:
+        return [f"privacy.dp=central needs checkpoint_every=1 (or 0), got {run.checkpoint_every}: a resume redoes "
+                "the rounds after its checkpoint, and rounds already released would be released again"]
     population = num_clients(cfg.dataset)
-    sampled = planned_sample(population, run.fraction_train, run.min_train_clients)
+    if population < 1:      # an image folder's domains are discovered after this check
+        return []
     try:
-        spent = projected_epsilon(privacy, sampled, population, run.rounds)
+        problem = budget_problem(privacy, population, run.rounds)
     except ImportError as err:
         return [str(err)]
-    fit = rounds_within(privacy, sampled, population, run.rounds)
-    if fit < run.rounds:
-        return [f"privacy.max_epsilon={privacy.max_epsilon:g}: {run.rounds} rounds of {sampled} of {population} "
-                f"clients spend epsilon {spent:.3g} at delta {privacy.delta:g} (noise_multiplier="
-                f"{privacy.noise_multiplier:g}); " + (f"at most {fit} rounds fit: set rounds={fit}" if fit else
-                                                      "not even one round fits")
-                + ", or raise privacy.noise_multiplier or privacy.max_epsilon"]
-    return []
-
+    except ValueError as err:
+        return [f"privacy: {err}"]
+    return [problem] if problem is not None else []
 
 # Groups added to conf/config.yaml after runs were made, each with its off setting as its
 # default: a run folder's config.yaml written before the group existed ran with it off, and

@@ -1,16 +1,16 @@
 """Differential-privacy accounting of a run's rounds, with Flower's ``RdpAccountant``.
 
 Composition refuses a configuration whose rounds would spend more than ``privacy.max_epsilon``
-(:func:`rounds_within`), and the server's :class:`strategies.privacy.CentralDP` composes each
-round as it happens; both use the one accounting model here.
+(:func:`rounds_within`), the server's strategy checks it again with the clients it has, and
+:class:`strategies.privacy.CentralDP` composes each round as it is released; all use the one
+model here.
 
-pflower samples a fixed number ``k`` of the ``N`` clients each round, uniformly without
-replacement (:func:`planned_sample`). With every client sampled (``k = N``) a round is a
-Gaussian mechanism of noise multiplier ``z`` on the sum of the clipped updates (add or remove
-one client: L2 sensitivity ``C``), accounted with no amplification. With ``k < N`` the round is
-accounted as sampling without replacement, whose neighbouring relation is *replace one*
-client: the sensitivity is then ``2C`` and the accountant is given ``z / 2``. Both are
-models of Flower's ``PrivacyConfig``.
+Each round is a Gaussian mechanism of noise multiplier ``z`` on the sum of the clipped
+updates: adding or removing one client changes that sum by at most ``C`` in L2. It is
+accounted *with no amplification by sampling*, whatever ``fraction_train`` is. Amplification
+needs the round's sample to be secret, and pflower draws it from the run's seed (which is in
+the configuration) and records it in metrics.jsonl. So the epsilon reported for ``k`` of ``N``
+clients a round is that of every client every round: an upper bound.
 """
 
 from __future__ import annotations
@@ -20,61 +20,34 @@ from typing import Any
 from common.settings import PrivacySettings
 
 
-def planned_sample(num_clients: int, fraction_train: float, min_train_clients: int) -> int:
-    """The clients a round samples when all ``num_clients`` are connected (the rule of
-    ``PersonalizedStrategy.begin_train``)."""
-    return min(num_clients, max(min_train_clients, int(round(num_clients * fraction_train))))
-
-
-def accounting_model(sampled: int, population: int) -> tuple[str, str, float]:
-    """(sampling method, neighbouring relation, sensitivity in units of C) of a round that
-    samples ``sampled`` of ``population`` clients (Flower's ``SamplingMethod`` and
-    ``NeighboringRelation`` values)."""
-    if sampled >= population:
-        return "no-amplification", "add-or-remove-one", 1.0
-    return "without-replacement", "replace-one", 2.0
-
-
-def new_accountant(settings: PrivacySettings, sampled: int, population: int) -> Any:
-    """Flower's ``RdpAccountant`` for rounds of ``sampled`` of ``population`` clients (needs
-    the ``dp-accounting`` package, Flower's ``dp`` extra, and Flower >= 1.42)."""
+def new_accountant(settings: PrivacySettings, population: int) -> Any:
+    """Flower's ``RdpAccountant`` (no amplification, add or remove one client) for a run of
+    ``population`` clients (needs the ``dp-accounting`` package, Flower's ``dp`` extra, and
+    Flower >= 1.42)."""
     try:
         from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
     except ImportError as err:
         raise ImportError("privacy.dp=central needs Flower >= 1.42 with its accountant (pip install "
                           f"'flwr[dp]>=1.42'): {err}") from err
-    sampling, relation, _ = accounting_model(sampled, population)
     return RdpAccountant(PrivacyConfig(target_delta=settings.delta, population_size=population,
-                                       neighboring_relation=NeighboringRelation(relation),
-                                       sampling_method=SamplingMethod(sampling),
+                                       neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                       sampling_method=SamplingMethod.NO_AMPLIFICATION,
                                        max_epsilon=settings.max_epsilon))
 
 
-def round_event(settings: PrivacySettings, sampled: int, population: int, sensitivity: float) -> Any:
-    """Flower's ``GaussianPrivacyEvent`` of one round of ``sampled`` clients (the noise
-    multiplier over the ``sensitivity``, in units of C, of :func:`accounting_model`)."""
+def epsilon_of(settings: PrivacySettings, population: int, releases: int) -> float:
+    """epsilon at ``privacy.delta`` after ``releases`` rounds released (0 for none)."""
+    if releases < 1:
+        return 0.0
     from flwr.serverapp import GaussianPrivacyEvent
 
-    return GaussianPrivacyEvent(noise_multiplier=settings.noise_multiplier / sensitivity,
-                                sample_size=sampled, population_size=population)
+    accountant = new_accountant(settings, population)
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=settings.noise_multiplier, sample_size=population,
+                                            population_size=population), releases)
+    return float(accountant.get_epsilon(settings.delta))
 
 
-def epsilon_of(settings: PrivacySettings, planned: int, population: int, ledger: list[int]) -> float:
-    """epsilon at ``privacy.delta`` after rounds that sampled ``ledger[i]`` clients each, under
-    the accounting model of ``planned`` of ``population`` (:func:`accounting_model`)."""
-    accountant = new_accountant(settings, planned, population)
-    _, _, sensitivity = accounting_model(planned, population)
-    for sampled in sorted(set(ledger)):
-        accountant.compose(round_event(settings, sampled, population, sensitivity), ledger.count(sampled))
-    return float(accountant.get_epsilon(settings.delta)) if ledger else 0.0
-
-
-def projected_epsilon(settings: PrivacySettings, sampled: int, population: int, rounds: int) -> float:
-    """epsilon at ``privacy.delta`` after ``rounds`` rounds of ``sampled`` of ``population``."""
-    return epsilon_of(settings, sampled, population, [sampled] * rounds)
-
-
-def rounds_within(settings: PrivacySettings, sampled: int, population: int, rounds: int) -> int:
+def rounds_within(settings: PrivacySettings, population: int, rounds: int) -> int:
     """The most rounds (<= ``rounds``) whose epsilon stays within ``privacy.max_epsilon``."""
     budget = settings.max_epsilon
     if budget is None:
@@ -82,8 +55,23 @@ def rounds_within(settings: PrivacySettings, sampled: int, population: int, roun
     low, high = 0, rounds       # epsilon grows with the rounds: bisect
     while low < high:
         mid = (low + high + 1) // 2
-        if projected_epsilon(settings, sampled, population, mid) <= budget:
+        if epsilon_of(settings, population, mid) <= budget:
             low = mid
         else:
             high = mid - 1
     return low
+
+
+def budget_problem(settings: PrivacySettings, population: int, rounds: int) -> str | None:
+    """Why ``rounds`` rounds of ``population`` clients do not fit in ``privacy.max_epsilon``
+    (one line naming how many do), or None."""
+    if settings.max_epsilon is None:
+        return None
+    spent = epsilon_of(settings, population, rounds)
+    if spent <= settings.max_epsilon:
+        return None
+    fit = rounds_within(settings, population, rounds)
+    return (f"privacy.max_epsilon={settings.max_epsilon:g}: {rounds} rounds of {population} clients spend epsilon "
+            f"{spent:.3g} at delta {settings.delta:g} (noise_multiplier={settings.noise_multiplier:g}); "
+            + (f"at most {fit} rounds fit: set rounds={fit}" if fit else "not even one round fits")
+            + ", or raise privacy.noise_multiplier or privacy.max_epsilon")

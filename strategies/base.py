@@ -44,7 +44,7 @@ from flwr.serverapp.strategy import Strategy
 
 from common.methods import method, method_options, parameter_roles
 from common.options import MethodOptions
-from common.privacy import planned_sample
+from common.privacy import budget_problem
 from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
 from common.roles import FROZEN, LOCAL, SHARED, UPLOADED, keys_with
 from common.settings import PrivacySettings
@@ -263,17 +263,19 @@ class PersonalizedStrategy(Strategy):
 
     def _central_dp(self, settings: PrivacySettings | None) -> CentralDP | None:
         """DP-FedAvg of the shared part (``privacy.dp=central``): the tensors of the shared
-        role (every uploaded one when no model gives the roles); a method whose rule needs
-        each client's own upload refuses it (its YAML row's ``not_private``)."""
+        role (every uploaded one when no model gives the roles). A method whose rule needs
+        each client's own upload refuses it (its YAML row's ``not_private``), and so do rounds
+        that would spend more than ``privacy.max_epsilon`` with this run's clients."""
         if settings is None or not settings.central:
             return None
         why = method(self.name, dataclasses.asdict(self.options)).not_private
         if why:
             raise ValueError(f"privacy.dp=central does not apply to {self.name}: {why}")
         population = len(self.client_ids)
+        if (problem := budget_problem(settings, population, self.run.rounds)) is not None:
+            raise ValueError(problem)
         shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)
-        return CentralDP(settings, population, planned_sample(population, self.run.fraction_train,
-                                                              self.run.min_train_clients), shared)
+        return CentralDP(settings, population, shared)
 
     # ------------------------------------------------------------------ method hooks
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -412,7 +414,7 @@ class PersonalizedStrategy(Strategy):
         absent = set(round_log.failed) | set(round_log.rejected)
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
-        notes = self.aggregate_private(train, updates, len(round_log.sampled))
+        notes = self.aggregate_private(train, updates)
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:
@@ -421,18 +423,27 @@ class PersonalizedStrategy(Strategy):
                     self.personal.pop(cid, None)
         return TrainResult(mean_train_metrics(updates), round_log, notes)
 
-    def aggregate_private(self, train: TrainRound, updates: list[ClientUpdate], sampled: int) -> dict[str, Any]:
+    def aggregate_private(self, train: TrainRound, updates: list[ClientUpdate]) -> dict[str, Any]:
         """:meth:`aggregate_updates`, and with ``privacy.dp=central`` DP-FedAvg around it: each
         upload's shared update clipped before the method's (unweighted) mean, Gaussian noise
-        added to the new shared tensors after it, and the round of ``sampled`` clients
-        accounted; the round's notes (with a ``privacy`` entry then)."""
+        added to the new shared tensors after it, and the release accounted; the round's notes
+        (with a ``privacy`` entry then). Only shared tensors may change: a method that changed
+        another global tensor would release it without noise, and the round fails instead."""
         if self.privacy is None:
             return self.aggregate_updates(train, updates) or {}
         updates, norms = self._clipped(train, updates)
+        if norms:
+            self.privacy.check_budget()     # before anything of this round can leave the server
+        before = dict(self.global_arrays)
         notes = self.aggregate_updates(train, updates) or {}
+        changed = sorted(k for k, v in self.global_arrays.items() if before.get(k) is not v)
+        unshared = [k for k in changed if k not in set(self.privacy.shared_keys)]
+        if unshared:
+            raise RoundFailedError(f"round {train.server_round}: {self.name} changed global tensors that are not "
+                                   f"shared ({unshared[:3]}); central DP noises only the shared role")
         if norms:      # something was averaged, so something is released
             self.global_arrays = self.privacy.add_noise(self.global_arrays, len(norms), train.server_round)
-            self.privacy.account(sampled)
+            self.privacy.account()
             notes = {**notes, "privacy": self.privacy.notes(norms, len(norms))}
         return notes
 
@@ -444,7 +455,8 @@ class PersonalizedStrategy(Strategy):
         norms = []
         for u in updates:
             if u.arrays:
-                arrays, norm = self.privacy.clip(u.arrays, train.sent.get(u.client_id, self.global_arrays))
+                reference = {**self.global_arrays, **train.sent.get(u.client_id, {})}   # what it was sent
+                arrays, norm = self.privacy.clip(u.arrays, reference)
                 u.arrays.update(arrays)
                 norms.append(norm)
         return updates, norms

@@ -23,6 +23,11 @@ from learning.params import NDArrays
 from strategies.privacy_math import add_noise, clip_update, noise_std
 
 
+class PrivacyBudgetSpent(RuntimeError):
+    """Releasing the round would spend more than ``privacy.max_epsilon`` (a resume counts
+    the round it redoes again): the run stops before the round's model leaves the server."""
+
+
 class CentralDP:
     """DP-FedAvg's server side (``privacy.dp=central``) for one run.
 
@@ -33,41 +38,58 @@ class CentralDP:
     shared_keys : the tensors the method averages (its shared role), in state-dict order.
     """
 
-    def __init__(self, settings: PrivacySettings, population: int, planned_sample: int,
-                 shared_keys: Iterable[str]) -> None:
+    def __init__(self, settings: PrivacySettings, population: int, shared_keys: Iterable[str]) -> None:
         self.settings = settings
         self.population = population
         self.shared_keys = list(shared_keys)
-        # the noise's secret: the OS's randomness unless the configuration fixes it; kept in
-        # the server's checkpoint so that a resumed round draws the same noise
-        self.noise_key = settings.noise_seed if settings.noise_seed is not None else secrets.randbits(63)
-        # the accounting model follows the planned sampling (every client, or k of N); a round
-        # that samples fewer (clients not connected) is composed under the same model
-        self.planned_sample = planned_sample
-        self.ledger: list[int] = []      # the clients sampled in each round released so far
+        self.noise_key = self._new_key()
+        self.releases = 0          # rounds whose noisy model was (or may have been) released
         self.epsilon = 0.0
 
-    def clip(self, arrays: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray]) -> tuple[NDArrays, float]:
-        """One upload with its shared update clipped to ``clip_norm``; and the norm before."""
-        keys = [k for k in self.shared_keys if k in arrays and k in sent]
-        return clip_update(arrays, sent, keys, self.settings.clip_norm)
+    def _new_key(self) -> int:
+        """The noise's key: the OS's randomness (secret, kept in the server's checkpoint only),
+        or ``privacy.noise_seed`` when the configuration fixes it (reproducible, not secret)."""
+        seed = self.settings.noise_seed
+        return seed if seed is not None else secrets.randbits(63)
+
+    def clip(self, arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> tuple[NDArrays, float]:
+        """One upload with its shared update (from ``reference``, what it was sent) clipped to
+        ``clip_norm``; and the norm before. A shared tensor missing from ``reference`` is an error."""
+        keys = [k for k in self.shared_keys if k in arrays]
+        missing = [k for k in keys if k not in reference]
+        if missing:
+            raise ValueError(f"central DP: no reference for the shared tensors {missing[:3]}; cannot clip")
+        return clip_update(arrays, reference, keys, self.settings.clip_norm)
+
+    def check_budget(self) -> None:
+        """Raise :class:`PrivacyBudgetSpent` when one more release would pass ``max_epsilon``."""
+        budget = self.settings.max_epsilon
+        if budget is not None:
+            after = epsilon_of(self.settings, self.population, self.releases + 1)
+            if after > budget:
+                raise PrivacyBudgetSpent(
+                    f"privacy.max_epsilon={budget:g} is spent: {self.releases} rounds released (epsilon "
+                    f"{self.epsilon:.3g}); one more would reach {after:.3g}. The run stops here, its last "
+                    "released model is the last checkpoint's")
 
     def add_noise(self, global_arrays: Mapping[str, np.ndarray], replies: int, server_round: int) -> NDArrays:
         """The new global arrays with the noise of the mean of ``replies`` clipped updates
-        (drawn from the run's noise key and the round: a resumed round draws the same)."""
+        (drawn from the run's noise key and the round)."""
         std = noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
         rng = np.random.default_rng([self.noise_key, server_round])
         keys = [k for k in self.shared_keys if k in global_arrays]
         return add_noise(global_arrays, keys, std, rng)
 
-    def account(self, sampled: int) -> float:
-        """Compose one round of ``sampled`` clients; returns epsilon at ``privacy.delta``."""
-        self.ledger.append(int(sampled))
-        self.epsilon = epsilon_of(self.settings, self.planned_sample, self.population, self.ledger)
+    def account(self) -> float:
+        """Compose one released round; returns epsilon at ``privacy.delta``."""
+        self.releases += 1
+        self.epsilon = epsilon_of(self.settings, self.population, self.releases)
         return self.epsilon
 
     def notes(self, norms: list[float], replies: int) -> dict[str, Any]:
-        """The round's privacy line of metrics.jsonl."""
+        """The round's privacy line of metrics.jsonl. ``clipped`` and ``update_norm_median``
+        come from the unclipped updates: server-side diagnostics for choosing ``clip_norm``,
+        not covered by the guarantee (docs/privacy.md)."""
         return {"epsilon": self.epsilon, "delta": self.settings.delta,
                 "noise_std": noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
                 if replies else 0.0,
@@ -78,14 +100,22 @@ class CentralDP:
         """summary.json's ``privacy`` entry."""
         return {"dp": self.settings.dp, "epsilon": self.epsilon, "delta": self.settings.delta,
                 "noise_multiplier": self.settings.noise_multiplier, "clip_norm": self.settings.clip_norm,
-                "rounds_accounted": len(self.ledger),
-                "max_epsilon": self.settings.max_epsilon}
+                "rounds_accounted": self.releases, "max_epsilon": self.settings.max_epsilon}
 
     def state(self) -> dict[str, Any]:
         """What a resume needs (the server's checkpoint only: the noise key is secret)."""
-        return {"noise_key": self.noise_key, "ledger": list(self.ledger), "epsilon": self.epsilon}
+        return {"noise_key": self.noise_key, "releases": self.releases, "epsilon": self.epsilon}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
+        """Resume from a checkpoint. With a secret key, the round after the checkpoint may have
+        been released before the run stopped (its evaluation goes out before its checkpoint):
+        it is counted again, and the redone round draws fresh noise under a new key, so that
+        two releases of one round never share their noise. With ``privacy.noise_seed`` (not
+        secret) the run resumes bit for bit instead."""
         self.noise_key = int(state["noise_key"])
-        self.ledger = [int(k) for k in state["ledger"]]
+        self.releases = int(state["releases"])
         self.epsilon = float(state["epsilon"])
+        if self.settings.noise_seed is None:
+            self.noise_key = self._new_key()
+            self.releases += 1
+            self.epsilon = epsilon_of(self.settings, self.population, self.releases)

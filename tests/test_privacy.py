@@ -18,11 +18,11 @@ import pytest
 
 from common.config import ConfigError, compose_config, validate_config
 from common.methods import method, method_names
-from common.privacy import projected_epsilon, rounds_within
+from common.privacy import epsilon_of, rounds_within
 from common.settings import PrivacySettings
-from strategies.base import ClientUpdate, RunSettings, TrainRound
+from strategies.base import ClientUpdate, RoundFailedError, RunSettings, TrainRound
 from strategies.baselines import FedAvg
-from strategies.privacy import CentralDP
+from strategies.privacy import CentralDP, PrivacyBudgetSpent
 from strategies.privacy_math import clip_update
 
 KEYS = ["conv.weight", "conv.bias", "bn.running_var", "bn.num_batches_tracked"]
@@ -60,7 +60,7 @@ def _aggregate(strategy: FedAvg, uploads: list[dict[str, np.ndarray]], server_ro
     sent = {str(i): dict(strategy.global_arrays) for i in range(len(uploads))}
     train = TrainRound.handed(server_round, sent)
     updates = [ClientUpdate(str(i), i + 1, a, (sizes or [10] * len(uploads))[i], {}) for i, a in enumerate(uploads)]
-    return strategy.aggregate_private(train, updates, len(uploads))
+    return strategy.aggregate_private(train, updates)
 
 
 # ------------------------------------------------------------------ the math
@@ -153,34 +153,87 @@ def test_a_noisy_running_variance_stays_non_negative() -> None:
 
 
 # ------------------------------------------------------------------ the accounting
-@pytest.mark.parametrize(("population", "sampled", "rounds", "z"), [(10, 10, 30, 1.1), (10, 4, 50, 0.9),
-                                                                  (100, 100, 200, 2.0)])
-def test_epsilon_equals_dp_accountings_own_computation(population: int, sampled: int, rounds: int,
-                                                        z: float) -> None:
+@pytest.mark.parametrize(("population", "rounds", "z"), [(10, 30, 1.1), (10, 50, 0.9), (100, 200, 2.0)])
+def test_epsilon_equals_dp_accountings_own_computation(population: int, rounds: int, z: float) -> None:
+    """Each round a Gaussian mechanism of multiplier z (add or remove one client moves the sum
+    of clipped updates by at most C), with no amplification by sampling: the sample is drawn
+    from the run's seed, which is no secret (common/privacy.py)."""
     privacy = _privacy(noise_multiplier=z, delta=1e-6)
-    dp = CentralDP(privacy, population, sampled, ["w"])
+    dp = CentralDP(privacy, population, ["w"])
     for _ in range(rounds):
-        ours = dp.account(sampled)
-    rel = dp_accounting.NeighboringRelation
-    if sampled == population:    # every client: a Gaussian mechanism of sensitivity C each round
-        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=rel.ADD_OR_REMOVE_ONE)
-        acc.compose(dp_accounting.GaussianDpEvent(z), rounds)
-    else:                         # k of N without replacement: replace-one, sensitivity 2C
-        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=rel.REPLACE_ONE)
-        acc.compose(dp_accounting.SampledWithoutReplacementDpEvent(population, sampled,
-                                                                   dp_accounting.GaussianDpEvent(z / 2)), rounds)
+        ours = dp.account()
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.GaussianDpEvent(z), rounds)
     assert ours == pytest.approx(acc.get_epsilon(1e-6), rel=1e-9)
     assert dp.summary()["rounds_accounted"] == rounds
-    restored = CentralDP(privacy, population, sampled, ["w"])
-    restored.load_state(dp.state())
-    assert restored.account(sampled) == pytest.approx(dp.account(sampled), rel=1e-12)
+    # sampling fewer clients a round claims no amplification: the same epsilon
+    few = _strategy(population, privacy, {"w": np.zeros(2, np.float32)}, fraction=0.2)
+    assert few.privacy is not None
+    for _ in range(rounds):
+        few.privacy.account()
+    assert few.privacy.epsilon == ours
 
 
 def test_the_budget_gives_the_largest_number_of_rounds_that_fits() -> None:
     privacy = _privacy(noise_multiplier=1.0, max_epsilon=8.0)
-    fit = rounds_within(privacy, 8, 8, 100)
+    fit = rounds_within(privacy, 8, 100)
     assert 0 < fit < 100
-    assert projected_epsilon(privacy, 8, 8, fit) <= 8.0 < projected_epsilon(privacy, 8, 8, fit + 1)
+    assert epsilon_of(privacy, 8, fit) <= 8.0 < epsilon_of(privacy, 8, fit + 1)
+
+
+def test_a_round_past_the_budget_stops_before_its_model_is_released() -> None:
+    """The server counts what it released (a resume adds the round it redoes), so a budget
+    composition allowed can still run out: the round stops before the noise and the release."""
+    initial = {"w": np.zeros(3, np.float32)}
+    privacy = _privacy(noise_multiplier=1.0, max_epsilon=8.0, noise_seed=None)
+    fit = rounds_within(privacy, 2, 100)
+    assert fit < 5
+    with pytest.raises(ValueError, match=f"at most {fit} rounds fit"):   # rounds=5: refused when built
+        _strategy(2, privacy, initial)
+    run = RunSettings(seed=0, rounds=fit, fraction_train=1.0, min_train_clients=1, wait_for_clients=1.0,
+                      round_timeout=1.0, norm_bound=0.0, privacy=privacy)
+    strategy = FedAvg(initial, ["0", "1"], run, {"name": "fedavg", "weighted": True})
+    assert strategy.privacy is not None
+    for r in range(1, fit + 1):
+        _aggregate(strategy, [dict(initial), dict(initial)], server_round=r)
+    released = dict(strategy.global_arrays)
+    with pytest.raises(PrivacyBudgetSpent, match="privacy.max_epsilon=8 is spent"):
+        _aggregate(strategy, [{"w": initial["w"] + 1}, dict(initial)], server_round=fit + 1)
+    np.testing.assert_array_equal(strategy.global_arrays["w"], released["w"])   # nothing new to send
+
+
+def test_a_resume_with_a_secret_key_draws_new_noise_and_counts_the_redone_round() -> None:
+    initial = {"w": np.zeros(50, np.float32)}
+    private = _strategy(2, _privacy(noise_seed=None), initial)
+    _aggregate(private, [dict(initial), dict(initial)])
+    groups, meta = private.state()
+    resumed = _strategy(2, _privacy(noise_seed=None), initial)
+    resumed.load_state(groups, meta)
+    assert resumed.privacy is not None and private.privacy is not None
+    assert resumed.privacy.releases == private.privacy.releases + 1
+    assert resumed.privacy.epsilon > private.privacy.epsilon
+    assert resumed.privacy.noise_key != private.privacy.noise_key
+    # the redone round 2 and the first attempt's round 2 draw independent noise
+    _aggregate(private, [dict(initial), dict(initial)], server_round=2)
+    _aggregate(resumed, [dict(initial), dict(initial)], server_round=2)
+    assert not np.array_equal(private.global_arrays["w"], resumed.global_arrays["w"])
+
+
+def test_a_method_that_changes_an_unshared_global_tensor_fails_the_round() -> None:
+    initial = {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    strategy = _strategy(2, _privacy(), initial)
+    assert strategy.privacy is not None
+    strategy.privacy.shared_keys = ["w"]
+    original = strategy.aggregate_updates
+
+    def leaky(train: TrainRound, updates: list[ClientUpdate]) -> Any:
+        notes = original(train, updates)
+        strategy.global_arrays["b"] = np.ones(2, np.float32)     # an unshared tensor, not noised
+        return notes
+
+    strategy.aggregate_updates = leaky  # type: ignore[method-assign]
+    with pytest.raises(RoundFailedError, match=r"not shared \(\['b'\]\)"):
+        _aggregate(strategy, [{"w": np.ones(3, np.float32)}, {"w": np.ones(3, np.float32)}])
 
 
 # ------------------------------------------------------------------ refusals (one line, nothing started)
@@ -224,21 +277,7 @@ def test_a_private_checkpoint_does_not_resume_without_privacy_nor_the_reverse() 
     plain_groups, plain_meta = _strategy(2, None, initial).state()
     with pytest.raises(ValueError, match="taken without privacy.dp=central"):
         _strategy(2, _privacy(), initial).load_state(plain_groups, plain_meta)
-    resumed = _strategy(2, _privacy(noise_seed=None), initial)
+    resumed = _strategy(2, _privacy(), initial)      # noise_seed fixed: bit for bit
     resumed.load_state(groups, meta)
     assert resumed.privacy is not None and private.privacy is not None
     assert resumed.privacy.state() == private.privacy.state()
-
-
-def test_a_run_folder_from_before_the_privacy_group_reads_as_without_privacy() -> None:
-    """Runs kept from before ``privacy`` existed (docs/runs/) ran without it: their config
-    reads with the group at its off setting, which is conf/config.yaml's default today."""
-    from omegaconf import OmegaConf
-
-    from common.config import ADDED_GROUPS, run_settings, with_added_groups
-
-    today = OmegaConf.to_container(compose_config(overrides=[]), resolve=True)
-    assert isinstance(today, dict) and today["privacy"] == ADDED_GROUPS["privacy"]
-    old = {k: v for k, v in today.items() if k != "privacy"}
-    assert with_added_groups(old) == today
-    assert run_settings(OmegaConf.create(old)).privacy.dp == "none"
