@@ -51,6 +51,7 @@ from ops.deployment.launch import (
     remove_private_files,
     stop_unfinished_runs,
     tail_of,
+    wait_for_port,
     write_flwr_config,
 )
 
@@ -146,17 +147,46 @@ class SuperNode:
     starts: int = 0
     threads: int | None = None   # torch's CPU threads for its ClientApps (OMP_NUM_THREADS)
 
-    def start(self) -> SuperNode:
+    def start(self, wait: bool = True) -> SuperNode:
+        """Start the SuperNode and, with ``wait``, :meth:`settle` it (a deployment starts all its
+        nodes first and settles them after, so that their start-ups overlap)."""
         self.starts += 1
+        self._spawn(f"===== pflower: start #{self.starts}")
+        return self.settle() if wait else self
+
+    def settle(self, attempts: int = 3, listen_timeout: float = 20.0) -> SuperNode:
+        """Wait until the runtime port listens. A SuperNode that exited before (the port,
+        chosen free a moment before its start, was taken by another process meanwhile: "address
+        already in use") is started again on a fresh port, up to ``attempts`` starts in all;
+        one still starting after ``listen_timeout`` seconds is left to go on."""
+        for attempt in range(1, attempts + 1):
+            assert self.proc is not None
+            try:
+                wait_for_port(*self._runtime_address(), listen_timeout, self.proc)
+                return self
+            except LaunchError as err:
+                if self.proc.poll() is None or attempt == attempts:   # still starting, or given up
+                    return self
+                print(f"pflower: SuperNode {self.index} {err}; starting it again on a fresh port",
+                      file=sys.stderr, flush=True)
+                self.command[self.command.index("--port") + 1] = str(free_port())
+                self._spawn(f"----- pflower: start #{self.starts} again, its port was taken")
+        return self
+
+    def _spawn(self, marker: str) -> None:
         env = flower_env()
         if self.threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         with self.log_path.open("a") as log:
-            log.write(f"\n===== pflower: start #{self.starts}: {' '.join(self.command)}\n")
+            log.write(f"\n{marker}: {' '.join(self.command)}\n")
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=env)
-        return self
+
+    def _runtime_address(self) -> tuple[str, int]:
+        """The host and port of the SuperNode's runtime API (its ``--host`` / ``--port``)."""
+        host = self.command[self.command.index("--host") + 1] if "--host" in self.command else "127.0.0.1"
+        return host, int(self.command[self.command.index("--port") + 1])
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -241,7 +271,9 @@ class Deployment:
             if self.secure:
                 key, pub = make_node_keys(self.certs, f"supernode-{i}")
                 self.register(pub)
-            self.nodes.append(self._node(i, self.node_config(i), key).start())
+            self.nodes.append(self._node(i, self.node_config(i), key).start(wait=False))
+        for node in self.nodes:      # started together, settled after (a taken port: started again)
+            node.settle()
 
     def _node(self, index: int, config: str, key: Path | None, name: str = "") -> SuperNode:
         assert self.link is not None
