@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from common.config import to_toml_run_config
+from common.flower_compat import flower_series
 from learning.storage import read_meta
 from ops.deployment import deploy
 from ops.deployment.certs import make_node_keys, make_tls, san_of, subject_alt_names
@@ -239,9 +240,11 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     run without it); results checked; no process left behind."""
     work = tmp_path / "work"
     results = tmp_path / "results"
+    # DP needs Flower 1.42's accountant (the 1.39 lane runs this test without it); small noise: learns in 2 rounds
+    dp = flower_series() != "1.39"
+    private = ["privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10"] if dp else []
     cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work), "--timeout", "900",
-           "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}",
-           "privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10", *FAST]   # learns in 2 rounds
+           "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}", *private, *FAST]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("pflower deploy: done") == 2 and "(tls)" in out.stdout
@@ -255,8 +258,9 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
         recs = _rounds(results, runs[0])
         assert [r["round"] for r in recs] == [1, 2]
         assert all(sorted(r["sampled"]) == ["0", "1", "2"] and not r["failed"] for r in recs)
-        spent = [r["privacy"]["epsilon"] for r in recs]      # each round clipped, noised, accounted
-        assert 0 < spent[0] < spent[1] == _summary(results, runs[0])["privacy"]["epsilon"]
+        if dp:      # each round clipped, noised, accounted
+            spent = [r["privacy"]["epsilon"] for r in recs]
+            assert 0 < spent[0] < spent[1] == _summary(results, runs[0])["privacy"]["epsilon"]
         # each SuperNode kept its state in its own node-config state-dir, under the results
         # (client state is data: it outlives the deployment's temporary folder)
         for i in range(3):
