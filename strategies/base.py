@@ -431,7 +431,7 @@ class PersonalizedStrategy(Strategy):
         another global tensor would release it without noise, and the round fails instead."""
         if self.privacy is None:
             return self.aggregate_updates(train, updates) or {}
-        updates, norms = self._clipped(train, updates)
+        norms = self._clip_in_place(train, updates)
         if norms:
             self.privacy.check_budget()     # before anything of this round can leave the server
         before = dict(self.global_arrays)
@@ -447,7 +447,7 @@ class PersonalizedStrategy(Strategy):
             notes = {**notes, "privacy": self.privacy.notes(norms, len(norms))}
         return notes
 
-    def _clipped(self, train: TrainRound, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], list[float]]:
+    def _clip_in_place(self, train: TrainRound, updates: list[ClientUpdate]) -> list[float]:
         """Each upload's shared update (from what it was sent) clipped to
         ``privacy.clip_norm`` in place (its arrays replaced one upload at a time, so the round
         holds one extra model at most), and the norms before clipping (of the uploads only)."""
@@ -459,7 +459,7 @@ class PersonalizedStrategy(Strategy):
                 arrays, norm = self.privacy.clip(u.arrays, reference)
                 u.arrays.update(arrays)
                 norms.append(norm)
-        return updates, norms
+        return norms
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
