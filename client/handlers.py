@@ -17,6 +17,7 @@ import numpy as np
 from flwr.app import Context, Message
 from omegaconf import DictConfig
 
+from client import secure_aggregation as secagg
 from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
 from client.trainer import ClientRound, ClientTrainer
@@ -33,6 +34,7 @@ from common.protocol import (
     make_reply,
     to_record,
 )
+from common.secure_aggregation import CLIPPED_METRIC, COLLECT, MASKED_RECORD
 from common.timing import note, part
 from learning.data_cache import load_client_data, resolve_cache_dir
 from learning.models import resolve_device, set_deterministic
@@ -150,10 +152,30 @@ def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
             "attempt": str(context.run_id)}
 
 
+def _secure_stage(msg: Message, context: Context) -> Message:
+    """A SecAgg+ step that is not training (client/secure_aggregation.py): no data is loaded."""
+    check_instruction(msg)
+    cfg = client_config(context)
+    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
+    client_id = client_id_of(context, server_cfg)
+    run_name = str(server_cfg.get("run-name", run_settings(cfg).run.run_name))
+    return secagg.answer_stage(msg, context, state_dir_of(context, cfg, client_id, run_name))
+
+
 def train(msg: Message, context: Context) -> Message:
+    stage = secagg.stage_of(msg)
+    if stage in secagg.KEY_STAGES:
+        return _secure_stage(msg, context)
     trainer, rnd, store = _round(msg, context)
+    secrets = None
+    if stage == COLLECT:    # the shares sent to this client, before anything is trained or saved
+        secrets = secagg.receive_shares(rnd.message_config, store.dir)
+    elif stage is not None:
+        raise ValueError(f"unknown secure aggregation stage {stage!r} in a train message; this ClientApp knows "
+                         f"{(*secagg.KEY_STAGES, COLLECT)}")
     with part("decode"):
         payload = check_payload(from_record(msg.content.array_records.get(ARRAYS_KEY)))
+    sent = {k: np.array(v, copy=True) for k, v in payload.items()} if secrets is not None else payload
     scope = _state_scope(rnd, context)
     with part("state load"):
         state, meta = store.load(max_round=rnd.server_round - 1, **scope)
@@ -172,9 +194,15 @@ def train(msg: Message, context: Context) -> Message:
                                   "trained_rounds": [*meta.get("trained_rounds", []), rnd.server_round]},
                    server_round=rnd.server_round, attempt=scope["attempt"])
     with part("encode"):
-        upload = result.upload
+        upload, metrics = result.upload, result.metrics
         extra = {k: to_record(v) for k, v in result.extra.items()}
-        reply = make_reply(msg, upload, result.metrics, rnd.client_id, result.num_examples, extra)
+        if secrets is not None:     # the shared tensors leave only masked
+            upload, masked, clipped = secagg.mask_upload(secrets, rnd.message_config, sent, upload,
+                                                         result.num_examples, run_settings(rnd.cfg).run.seed,
+                                                         rnd.client_id)
+            extra[MASKED_RECORD] = to_record(masked)
+            metrics = {**metrics, CLIPPED_METRIC: float(clipped)}
+        reply = make_reply(msg, upload, metrics, rnd.client_id, result.num_examples, extra)
         if evaluation is not None:
             add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
     return reply

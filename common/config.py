@@ -332,8 +332,9 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
 
     settings = run_settings(cfg)
     privacy, run = settings.privacy, settings.run
+    problems = secure_aggregation_problems(cfg) if privacy.secure else []
     if not privacy.central:
-        return []
+        return problems
     row = method(settings.strategy, cfg.strategy)
     if row.not_private:
         return [f"privacy.dp=central does not apply to {settings.strategy}: {row.not_private}; use "
@@ -344,35 +345,70 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
                 "the rounds after its checkpoint, and rounds already released would be released again"]
     population = num_clients(cfg.dataset)
     if population < 1:      # an image folder's domains are discovered after this check
-        return []
+        return problems
     try:
         problem = budget_problem(privacy, population, run.rounds)
     except ImportError as err:
-        return [str(err)]
+        return [*problems, str(err)]
     except ValueError as err:
-        return [f"privacy: {err}"]
-    return [problem] if problem is not None else []
+        return [*problems, f"privacy: {err}"]
+    return [*problems, problem] if problem is not None else problems
+
+
+def secure_aggregation_problems(cfg: DictConfig) -> list[str]:
+    """Why ``privacy.secure_aggregation=secagg+`` cannot run as configured: a method whose rule
+    needs each client's own upload, a norm bound (the server never sees one update), a
+    threshold or neighbourhood above the clients a round samples."""
+    from common.secure_aggregation import threshold_of
+    from learning.data import num_clients
+
+    settings = run_settings(cfg)
+    privacy, run = settings.privacy, settings.run
+    row = method(settings.strategy, cfg.strategy)
+    if row.not_private:
+        return [f"privacy.secure_aggregation=secagg+ does not apply to {settings.strategy}: {row.not_private}; use "
+                "privacy.secure_aggregation=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, "
+                "fedbabu, ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
+    problems = []
+    if run.norm_bound > 0:
+        problems.append(f"norm_bound={run.norm_bound:g} cannot be checked under secure aggregation (the server "
+                        "never sees one client's update); set norm_bound=0")
+    population = num_clients(cfg.dataset)
+    if population >= 1:     # an image folder's domains are discovered after this check
+        sampled = min(population, max(min(run.min_train_clients, population),
+                                      int(round(population * run.fraction_train))))
+        shares = sampled if not privacy.secagg_shares else min(sampled, privacy.secagg_shares)
+        threshold = threshold_of(privacy.secagg_threshold, shares)
+        if sampled < 2:
+            problems.append(f"secure aggregation needs at least 2 clients a round; this run samples {sampled} "
+                            "(raise fraction_train or min_train_clients)")
+        elif threshold > shares:
+            problems.append(f"privacy.secagg_threshold={privacy.secagg_threshold:g} is above the {shares} clients "
+                            f"that share each secret in a round ({sampled} of {population} sampled); use at most "
+                            f"{shares}, or a fraction such as 0.5")
+    return problems
 
 # Groups added to conf/config.yaml after runs were made, each with its off setting as its
 # default: a run folder's config.yaml written before the group existed ran with it off, and
 # reads so (pflower personalize, resume, compare and the kept-runs test of tests/test_tables.py).
 ADDED_GROUPS: dict[str, dict[str, Any]] = {
     "privacy": {"dp": "none", "clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "max_epsilon": None,
-                "noise_seed": None},
+                "noise_seed": None, "secure_aggregation": "none", "secagg_shares": None, "secagg_threshold": 0.5,
+                "secagg_clip_range": 4.0, "secagg_bits": 22},
 }
 
 
 def with_added_groups(config: dict[str, Any]) -> dict[str, Any]:
     """A run folder's composed configuration (plain) with the groups it predates at their off
     setting (:data:`ADDED_GROUPS`)."""
-    return {**{g: dict(v) for g, v in ADDED_GROUPS.items()}, **config}
+    return {**config, **{g: {**v, **dict(config.get(g) or {})} for g, v in ADDED_GROUPS.items()}}
 
 
 def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
     """``read_typed``'s arguments for the run keys and the fixed groups of ``conf/config.yaml``."""
     run_keys = {k: v for k, v in cfg.items() if k not in GROUP_KEYS}
     return {"run": (RunKeys, run_keys, "", "conf/config.yaml"),
-            **{group: (cls, cfg.get(group) or ADDED_GROUPS.get(group, {}), group, "conf/config.yaml")
+            **{group: (cls, {**ADDED_GROUPS.get(group, {}), **dict(cfg.get(group) or {})}, group, "conf/config.yaml")
                for group, cls in (("train", TrainSettings), ("finetune", FinetuneSettings),
                                   ("personalize", PersonalizeSettings), ("privacy", PrivacySettings))}}
 

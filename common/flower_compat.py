@@ -857,3 +857,16 @@ def item_report() -> list[tuple[str, bool, str]]:
             ok, why = False, f"{type(ex).__name__}: {ex}"
         rows.append((name, ok, "" if ok else why))
     return rows
+
+
+def secagg_key_functions() -> SimpleNamespace:
+    """The elliptic-curve key helpers Flower's own SecAgg+ uses (``secaggplus_mod``): generate a
+    key pair, and private and public keys to and from bytes. They live in
+    ``flwr.supercore.primitives.asymmetric`` in 1.39 and 1.42 alike (not in the public API)."""
+    from flwr.supercore.primitives import asymmetric
+
+    return SimpleNamespace(generate_key_pairs=asymmetric.generate_key_pairs,
+                           private_key_to_bytes=asymmetric.private_key_to_bytes,
+                           bytes_to_private_key=asymmetric.bytes_to_private_key,
+                           public_key_to_bytes=asymmetric.public_key_to_bytes,
+                           bytes_to_public_key=asymmetric.bytes_to_public_key)

@@ -207,6 +207,7 @@ def personalising_optim(lr: float, batch_size: int, momentum: float, weight_deca
 
 
 DP_MODES = ("none", "central")
+SECURE_AGGREGATION_MODES = ("none", "secagg+")
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,22 @@ class PrivacySettings:
     delta: float
     max_epsilon: float | None
     noise_seed: int | None
+    secure_aggregation: str = "none"
+    secagg_shares: int | None = None
+    secagg_threshold: float = 0.5
+    secagg_clip_range: float = 4.0
+    secagg_bits: int = 22
 
     def __post_init__(self) -> None:
         one_of("privacy.dp", self.dp, DP_MODES)
+        one_of("privacy.secure_aggregation", self.secure_aggregation, SECURE_AGGREGATION_MODES)
+        check(self.secagg_shares is None or self.secagg_shares >= 3,
+              f"privacy.secagg_shares must be null (every sampled client) or >= 3, got {self.secagg_shares}")
+        t = self.secagg_threshold
+        check((0 < t < 1) or (t >= 2 and float(t).is_integer()),
+              f"privacy.secagg_threshold must be a fraction in (0, 1) of the neighbourhood or a whole count >= 2, got {t}")
+        finite("privacy.secagg_clip_range", self.secagg_clip_range, 0.0, strict=True)
+        check(8 <= self.secagg_bits <= 30, f"privacy.secagg_bits must be in [8, 30], got {self.secagg_bits}")
         finite("privacy.clip_norm", self.clip_norm, 0.0, strict=True)
         finite("privacy.noise_multiplier", self.noise_multiplier, 0.0, strict=True)
         check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
@@ -234,6 +248,11 @@ class PrivacySettings:
     def central(self) -> bool:
         """Whether the server clips the shared updates and noises their mean."""
         return self.dp == "central"
+
+    @property
+    def secure(self) -> bool:
+        """Whether the shared part is summed under SecAgg+ (the server sees only the sum)."""
+        return self.secure_aggregation == "secagg+"
 
 
 @dataclass(frozen=True)

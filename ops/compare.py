@@ -120,8 +120,7 @@ def rows_by_configuration(runs: list[dict[str, Any]]) -> tuple[dict[Row, list[di
         if len(others) > 1:
             keys = sorted(k for k in set().union(*others) if len({o.get(k) for o in others}) > 1)
             mine = dict(config)
-            if mine.get("privacy.dp") == json.dumps("none"):   # the other privacy keys do nothing then
-                keys = [k for k in keys if not k.startswith("privacy.") or k == "privacy.dp"]
+            keys = [k for k in keys if not _inert_privacy_key(k, mine)]
             label += " (" + ", ".join(f"{k}={_value_text(mine.get(k))}" for k in keys) + ")"
         kept: dict[int, dict[str, Any]] = {}
         for r in members:
@@ -195,6 +194,21 @@ def matching_local(run: Mapping[str, Any], local_runs: list[dict[str, Any]]) -> 
 RELATIVE_LEGEND = ("R-Acc: mean over clients of (acc - acc of that client's Local run) / acc of its "
                    "Local run, so 0 = as good as training alone; PTR: share of clients whose accuracy beats "
                    "their Local run's (FEDORA, KDD 2023; the Local run of the same seed).")
+
+
+# the privacy keys that do something only with DP on, and only with secure aggregation on
+DP_KEYS = ("privacy.clip_norm", "privacy.noise_multiplier", "privacy.delta", "privacy.max_epsilon",
+           "privacy.noise_seed")
+
+
+def _inert_privacy_key(key: str, config: dict[str, str]) -> bool:
+    """A privacy key that changes nothing in a run of ``config`` (not a label's difference):
+    a DP key with ``privacy.dp=none``, a ``privacy.secagg_*`` key without secure aggregation."""
+    if key in DP_KEYS:
+        return config.get("privacy.dp") == json.dumps("none")
+    if key.startswith("privacy.secagg_"):
+        return config.get("privacy.secure_aggregation", json.dumps("none")) == json.dumps("none")
+    return False
 
 
 def privacy_text(runs: list[dict[str, Any]]) -> str:

@@ -100,6 +100,8 @@ def main(grid: Grid, context: Context) -> None:
         extras = strategy.summary_extras()
         if strategy.privacy is not None:
             extras["privacy"] = strategy.privacy.summary()
+        if strategy.secure is not None:
+            extras["secure_aggregation"] = strategy.secure.summary()
         summary = recorder.finish(client_info(data), extras)
     except Exception as err:
         log(ERROR, "pflower run failed: %s", err)

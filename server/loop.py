@@ -122,7 +122,11 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
         # round's replies would not fit side by side (strategy.streams_round)
         train = strategy.begin_train(server_round, {**base_config, **fused.train_config()}, grid)
     with part("replies"):   # the clients' work, and each reply taken in as it arrives
-        replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take)
+        if strategy.secure is not None:     # SecAgg+: its four exchanges around the train messages
+            replies = strategy.secure.run(grid, train, strategy.directory, run.round_timeout,
+                                          lambda replies: stop_if_worker_lost(grid, replies, server_round))
+        else:
+            replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take)
     train.messages.clear()
     stop_if_worker_lost(grid, replies, server_round)
     pending = fused.take()

@@ -47,8 +47,9 @@ from common.options import MethodOptions
 from common.privacy import budget_problem
 from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
 from common.roles import FROZEN, LOCAL, SHARED, UPLOADED, keys_with
+from common.secure_aggregation import MASKED_RECORD
 from common.settings import PrivacySettings
-from learning.params import NDArrays, RunningMean, num_bytes, weighted_mean
+from learning.params import NDArrays, RunningMean, is_float, num_bytes, weighted_mean
 from strategies.addressing import ClientDirectory, Exchange
 from strategies.privacy import CentralDP
 from strategies.replies import (
@@ -60,6 +61,7 @@ from strategies.replies import (
     mean_train_metrics,
     parse_evaluation_replies,
 )
+from strategies.secure_aggregation import SecureAggregation, SecureOutcome
 
 if TYPE_CHECKING:
     from torch import nn
@@ -130,6 +132,8 @@ class TrainRound:
         streams (:meth:`PersonalizedStrategy.streams_round`); None otherwise.
     exchange : the messages' addressing (which client each reply answers for); None for a
         round handed its updates.
+    secure : with secure aggregation, the unmasked mean of the round's masked uploads (the
+        updates then hold no shared tensor); None otherwise.
     """
 
     server_round: int
@@ -138,6 +142,7 @@ class TrainRound:
     replies: TrainReplies
     running: RunningMean | None = None
     exchange: Exchange | None = None
+    secure: SecureOutcome | None = None
 
     @classmethod
     def handed(cls, server_round: int, sent: Mapping[str, NDArrays] | None = None) -> TrainRound:
@@ -260,6 +265,7 @@ class PersonalizedStrategy(Strategy):
         self._flower_train: TrainRound | None = None
         self._flower_evaluate: EvaluateRound | None = None
         self.privacy = self._central_dp(run.privacy)
+        self.secure = self._secure_aggregation(run.privacy)
 
     def _central_dp(self, settings: PrivacySettings | None) -> CentralDP | None:
         """DP-FedAvg of the shared part (``privacy.dp=central``): the tensors of the shared
@@ -277,6 +283,24 @@ class PersonalizedStrategy(Strategy):
         shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)
         return CentralDP(settings, population, shared)
 
+    def _secure_aggregation(self, settings: PrivacySettings | None) -> SecureAggregation | None:
+        """SecAgg+ of the shared part (``privacy.secure_aggregation=secagg+``): the float tensors
+        of the shared role (every uploaded one when no model gives the roles) travel masked; a
+        method whose rule needs each client's own upload refuses it. Integer tensors (BatchNorm
+        counters) are not averaged and keep the global value."""
+        if settings is None or not settings.secure:
+            return None
+        why = method(self.name, dataclasses.asdict(self.options)).not_private
+        if why:
+            raise ValueError(f"privacy.secure_aggregation=secagg+ does not apply to {self.name}: {why}")
+        shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)
+        masked = [k for k in shared if is_float(self.reference[k])]
+        sizes = [getattr(c, "num_train", 0) for c in (getattr(self.data, "clients", None) or {}).values()]
+        weighted = self.weighted and self.privacy is None and bool(sizes) and min(sizes) > 0
+        if self.weighted and self.privacy is None and not weighted:
+            log(INFO, "secure aggregation: the clients' sizes are not known to the server; the mean is unweighted")
+        return SecureAggregation(settings, masked, self.reference, self.run.seed, float(max(sizes)) if weighted else 0.0)
+
     # ------------------------------------------------------------------ method hooks
     def check_upload(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         """Why an upload breaks the method's parameter roles (None if it does not): a client
@@ -287,7 +311,8 @@ class PersonalizedStrategy(Strategy):
         if leaked:
             return (f"uploaded {self.roles[leaked[0]]} tensors {leaked[:3]} (local-only and "
                     "frozen tensors never leave the client)")
-        missing = sorted(set(keys_with(self.roles, *UPLOADED)) - set(arrays))
+        masked = set(self.secure.masked_keys) if self.secure is not None else set()
+        missing = sorted(set(keys_with(self.roles, *UPLOADED)) - set(arrays) - masked)
         if missing:
             return f"upload is missing {missing[:3]}; a {self.name} client uploads every shared and personal tensor"
         return None
@@ -344,7 +369,8 @@ class PersonalizedStrategy(Strategy):
         expected (from what was ``sent``) to exceed ``stream_replies_mb``. Not bit for bit the
         client-order mean (:class:`learning.params.RunningMean`), hence only past the limit."""
         limit = self.run.stream_replies_mb
-        if not self.mean_rule or limit is None or self.privacy is not None:   # DP clips the replies first
+        if not self.mean_rule or limit is None or self.privacy is not None or self.secure is not None:
+            # DP clips the replies first; secure aggregation sums masked vectors
             return False
         return limit == 0 or sum(num_bytes(p) for p in sent.values()) / 1e6 > limit
 
@@ -390,7 +416,8 @@ class PersonalizedStrategy(Strategy):
                 sum(num_bytes(p) for p in sent.values()) / 1e6, self.run.stream_replies_mb)
         receiver = TrainReplies(sent, exchange.sender_of, self.reference, norm_bound=self.run.norm_bound,
                                 check_upload=self.check_upload, no_reply_reason=exchange.no_reply_reason,
-                                fold=fold, extra_records=self.extra_records)
+                                fold=fold,
+                                extra_records=(*self.extra_records, *((MASKED_RECORD,) if self.secure else ())))
         return TrainRound(server_round, messages, sent, receiver, running, exchange)
 
     def aggregate_round(self, train: TrainRound) -> TrainResult:
@@ -429,6 +456,8 @@ class PersonalizedStrategy(Strategy):
         added to the new shared tensors after it, and the release accounted; the round's notes
         (with a ``privacy`` entry then). Only shared tensors may change: a method that changed
         another global tensor would release it without noise, and the round fails instead."""
+        if train.secure is not None:
+            return self.aggregate_secure(train, updates)
         if self.privacy is None:
             return self.aggregate_updates(train, updates) or {}
         norms = self._clip_in_place(train, updates)
@@ -447,6 +476,35 @@ class PersonalizedStrategy(Strategy):
             notes = {**notes, "privacy": self.privacy.notes(norms, len(norms))}
         return notes
 
+    def aggregate_secure(self, train: TrainRound, updates: list[ClientUpdate]) -> dict[str, Any]:
+        """A round under secure aggregation: the masked tensors become the global value plus the
+        unmasked mean update (what each client was sent of them is the global value: they are
+        shared), then the method's own rule runs on what the updates carry in the clear (its
+        notes, acknowledgements; no shared tensor), and with ``privacy.dp=central`` the mean
+        is noised and accounted (the clients clipped their updates before masking)."""
+        assert train.secure is not None and self.secure is not None
+        if self.privacy is not None:
+            self.privacy.check_budget()
+        for key, delta in train.secure.mean_update.items():
+            base = self.global_arrays[key]
+            self.global_arrays[key] = (np.asarray(base, dtype=np.float64) + delta).astype(np.asarray(base).dtype)
+        masked = set(self.secure.masked_keys)
+        before = dict(self.global_arrays)
+        notes = self.aggregate_updates(train, updates) or {}
+        changed = sorted(k for k, v in self.global_arrays.items() if before.get(k) is not v and k in masked)
+        if changed:
+            raise RoundFailedError(f"round {train.server_round}: {self.name} changed masked tensors {changed[:3]} from "
+                                   "the clients' clear uploads; under secure aggregation they are the unmasked mean")
+        notes = {**notes, "secure_aggregation": train.secure.notes}
+        if self.privacy is not None:
+            count = int(train.secure.notes["clients"])
+            self.global_arrays = self.privacy.add_noise(self.global_arrays, count, train.server_round)
+            self.privacy.account()
+            notes["privacy"] = self.privacy.notes(None, count)
+        log(INFO, "aggregate: %s, the secure mean of %d tensors over %d clients", self.name, len(masked),
+            train.secure.notes["clients"])
+        return notes
+
     def _clip_in_place(self, train: TrainRound, updates: list[ClientUpdate]) -> list[float]:
         """Each upload's shared update (from what it was sent) clipped to
         ``privacy.clip_norm`` in place (its arrays replaced one upload at a time, so the round
@@ -463,7 +521,12 @@ class PersonalizedStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Flower's form of :meth:`begin_train` (the round is kept for :meth:`aggregate_train`)."""
+        """Flower's form of :meth:`begin_train` (the round is kept for :meth:`aggregate_train`).
+        Secure aggregation's exchanges run in pflower's loop only (``server/loop.py``): here the
+        clients would upload in the clear, so it is refused."""
+        if self.secure is not None:
+            raise RuntimeError("privacy.secure_aggregation runs in pflower's round loop (server/loop.py), not in "
+                               "Flower's Strategy.start: run it with pflower run or flwr run")
         self._flower_train = self.begin_train(server_round, dict(config.items()), grid)
         return self._flower_train.messages
 

@@ -86,10 +86,15 @@ class CentralDP:
         self.epsilon = epsilon_of(self.settings, self.population, self.releases)
         return self.epsilon
 
-    def notes(self, norms: list[float], replies: int) -> dict[str, Any]:
+    def notes(self, norms: list[float] | None, replies: int) -> dict[str, Any]:
         """The round's privacy line of metrics.jsonl. ``clipped`` and ``update_norm_median``
         come from the unclipped updates: server-side diagnostics for choosing ``clip_norm``,
-        not covered by the guarantee (docs/privacy.md)."""
+        not covered by the guarantee (docs/privacy.md); None under secure aggregation (the
+        clients clip, and the server never sees a norm)."""
+        if norms is None:
+            return {"epsilon": self.epsilon, "delta": self.settings.delta, "clip_norm": self.settings.clip_norm,
+                    "noise_std": noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
+                    if replies else 0.0, "clipped": None, "update_norm_median": None, "clipped_by": "clients"}
         return {"epsilon": self.epsilon, "delta": self.settings.delta,
                 "noise_std": noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
                 if replies else 0.0,

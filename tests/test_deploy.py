@@ -236,13 +236,15 @@ def test_a_stopped_superlink_takes_the_processes_of_its_runs_with_it(tmp_path):
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     """``pflower deploy`` (default: TLS + SuperNode authentication): 3 SuperNodes with
     registered keys, FedAvg then FedBN for 2 rounds each against the same SuperLink, both
-    with differential privacy of the shared part (docs/privacy.md; the other deployment tests
-    run without it); results checked; no process left behind."""
+    with secure aggregation (SecAgg+) and differential privacy of the shared part
+    (docs/privacy.md; the other deployment tests run without them); results checked; no
+    process left behind."""
     work = tmp_path / "work"
     results = tmp_path / "results"
     # DP needs Flower 1.42's accountant (the 1.39 lane runs this test without it); small noise: learns in 2 rounds
     dp = flower_series() != "1.39"
-    private = ["privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10"] if dp else []
+    private = ["privacy.secure_aggregation=secagg+"]    # SecAgg+ needs only Flower's primitives (1.39 too)
+    private += ["privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10"] if dp else []
     cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work), "--timeout", "900",
            "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}", *private, *FAST]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900)
@@ -258,13 +260,18 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
         recs = _rounds(results, runs[0])
         assert [r["round"] for r in recs] == [1, 2]
         assert all(sorted(r["sampled"]) == ["0", "1", "2"] and not r["failed"] for r in recs)
+        # each round's shared part was summed under SecAgg+ by all three clients
+        assert all(r["secure_aggregation"]["clients"] == 3 for r in recs), [r.get("secure_aggregation") for r in recs]
+        assert _summary(results, runs[0])["secure_aggregation"]["protocol"] == "secagg+"
         if dp:      # each round clipped, noised, accounted
             spent = [r["privacy"]["epsilon"] for r in recs]
             assert 0 < spent[0] < spent[1] == _summary(results, runs[0])["privacy"]["epsilon"]
         # each SuperNode kept its state in its own node-config state-dir, under the results
         # (client state is data: it outlives the deployment's temporary folder)
         for i in range(3):
-            assert list((results / "supernode-state" / f"node-{i}" / runs[0] / str(i)).glob("state-r*.npz"))
+            folder = results / "supernode-state" / f"node-{i}" / runs[0] / str(i)
+            assert list(folder.glob("state-r*.npz"))
+            assert not list(folder.glob("secagg-round.json*")), "a round's secrets outlived the round"
     assert not _leftovers(work), "processes left behind"
 
 

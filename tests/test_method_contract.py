@@ -35,10 +35,12 @@ from flwr.app import Context, Message, MessageType, RecordDict
 from helpers import FakeGrid
 
 from client import app as client_app
+from client.secure_aggregation import stage_of
 from common.config import compose_config
 from common.methods import method, method_names, parameter_roles
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
+from common.secure_aggregation import COLLECT, MASKED_RECORD, WEIGHT_ENTRY
 from learning.data import load_federated_data
 from server.app import build_strategy
 from server.checkpoint import load_checkpoint
@@ -48,9 +50,12 @@ from server.results import RunRecorder
 # differential privacy of the shared part (docs/privacy.md), with the noise's key fixed so that
 # the restarted and straight runs draw the same noise; every method that can take it
 DP = ["privacy.dp=central", "privacy.noise_seed=7", "privacy.clip_norm=2.0", "privacy.noise_multiplier=0.3"]
+# secure aggregation of the shared part (SecAgg+), alone and with DP (the clients clip, the server noises)
+SECURE = ["privacy.secure_aggregation=secagg+"]
+SECURE_DP = [*SECURE, *DP]
 CASES = [(name, []) for name in method_names()] + [
     (name, [f"strategy.{flag}=true"]) for name in method_names() for flag, _ in method(name).variants] + [
-    (name, DP) for name in method_names() if not method(name).not_private]
+    (name, extra) for extra in (DP, SECURE, SECURE_DP) for name in method_names() if not method(name).not_private]
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "finetune.epochs=1",
          "checkpoint_every=1", "fraction_train=1.0", "deterministic=true"]   # bit-identical on CUDA too
 
@@ -70,6 +75,7 @@ class Clients:
         self.run_config, self.run_id = run_config, run_id
         self.contexts = {cid: self.context(cid, len(client_ids)) for cid in client_ids}
         self.uploads: dict[str, set[str]] = {}
+        self.masked: dict[str, set[str]] = {}       # secure aggregation: the masked vector's entries
         self.evaluate_messages = 0
 
     def context(self, cid: str, n: int) -> Context:
@@ -80,7 +86,9 @@ class Clients:
     def __call__(self, cid: str, msg: Message) -> Message:
         if msg.metadata.message_type == MessageType.TRAIN:
             reply = client_app.train(msg, self.contexts[cid])
-            self.uploads[cid] = set(from_record(reply.content.array_records.get(ARRAYS_KEY)))
+            if stage_of(msg) in (None, COLLECT):    # a training message (not a key exchange)
+                self.uploads[cid] = set(from_record(reply.content.array_records.get(ARRAYS_KEY)))
+                self.masked[cid] = set(from_record(reply.content.array_records.get(MASKED_RECORD)))
             return reply
         self.evaluate_messages += 1
         return client_app.evaluate(msg, self.contexts[cid])
@@ -134,8 +142,14 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     record = _records(tmp_path / "restarted")[-1]
     assert record["failed"] == {} and record["rejected"] == {}, (record["failed"], record["rejected"])
     assert sorted(record["sampled"]) == sorted(strategy.client_ids)
-    for cid, keys in clients.uploads.items():
-        assert keys == set(keys_with(roles, *UPLOADED)), f"client {cid} uploaded {sorted(keys)[:5]}"
+    secure = strategy.secure is not None
+    masked = set(strategy.secure.masked_keys) if secure else set()
+    for cid, keys in clients.uploads.items():    # under secure aggregation the shared float tensors go masked
+        assert keys == set(keys_with(roles, *UPLOADED)) - masked, f"client {cid} uploaded {sorted(keys)[:5]}"
+        assert clients.masked[cid] == (masked | {WEIGHT_ENTRY} if secure else set()), f"client {cid} masked"
+    if secure:
+        assert masked and masked <= set(keys_with(roles, "shared"))
+        assert record["secure_aggregation"]["clients"] == len(strategy.client_ids)
     for k in keys_with(roles, FROZEN):
         np.testing.assert_array_equal(strategy.global_arrays[k], initial.global_arrays[k])
     assert sorted(record["clients"]) == sorted(strategy.client_ids)
