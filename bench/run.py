@@ -429,10 +429,55 @@ def bench_deploy(rounds: int, pin: bool = False, clients: int = 3) -> str:
     return "\n".join(lines)
 
 
+# (e): a round of FedAvg and FedBN without privacy, with each protection, and with both (docs/privacy.md)
+PRIVACY_SETTINGS = {
+    "none": [],
+    "DP (central)": ["privacy.dp=central", "privacy.noise_multiplier=0.3"],
+    "SecAgg+": ["privacy.secure_aggregation=secagg+"],
+    "SecAgg+ and DP": ["privacy.secure_aggregation=secagg+", "privacy.dp=central", "privacy.noise_multiplier=0.3"],
+}
+
+
+def bench_privacy(rounds: int, strategies: tuple[str, ...] = ("fedavg", "fedbn"), timeout: float = 900) -> str:
+    """Seconds per round of ``pflower run`` (default data: digits-domains, 8 clients, cnn) and
+    bytes per client and round, for each privacy setting: the protocol's extra exchanges
+    (SecAgg+'s keys and shares, from metrics.jsonl's ``secure_aggregation``) beside the model's."""
+    rows = []
+    for strategy in strategies:
+        base = None
+        for label, overrides in PRIVACY_SETTINGS.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                metrics = Path(tmp) / "bench-privacy" / "metrics.jsonl"
+                _, walls = _stream_rounds([sys.executable, "-m", "ops.cli", "run", f"strategy={strategy}",
+                                           f"rounds={rounds}", f"results_root={tmp}", "run_name=bench-privacy",
+                                           *overrides], metrics, rounds, timeout)
+                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            per_round = _per_round(walls)
+            base = per_round if base is None else base
+            later = records[1:] or records
+            clients = sum(len(r["sampled"]) for r in later)
+            up = sum(sum(r["communication"]["bytes_up"].values()) for r in later) / clients
+            down = sum(sum(r["communication"]["bytes_down"].values()) for r in later) / clients
+            keys_up = sum(r.get("secure_aggregation", {}).get("stage_bytes_up", 0) for r in later) / clients
+            keys_down = sum(r.get("secure_aggregation", {}).get("stage_bytes_down", 0) for r in later) / clients
+            rows.append(f"| {strategy} | {label} | {per_round:.3f} ({per_round / base:.2f}x) | {up / 1e3:.0f} | "
+                        f"{down / 1e3:.0f} | {keys_up / 1e3:.1f} | {keys_down / 1e3:.1f} |")
+    return "\n".join([
+        f"`pflower run` (digits-domains, 8 clients, cnn), {rounds} rounds; per round = (last round's end - first "
+        "round's end) / (rounds - 1); KB per client and round from metrics.jsonl (rounds 2 on). Model up: what "
+        "the training reply carries (under SecAgg+ the masked int64 vector); keys: SecAgg+'s setup, share-keys and "
+        "unmask messages (public keys, encrypted shares, unmask shares).",
+        "",
+        "| method | privacy | s per round (x none) | model up KB | model down KB | keys up KB | keys down KB |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 CPU cores")
-    ap.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,b")
+    ap.add_argument("--only", default="a,b,c,d,e", help="sections to run, e.g. a,b")
     ap.add_argument("--pin-superlink", action="store_true",
                     help="(d): after round 1, the SuperLink on CPU 0 and every other process on the rest")
     ap.add_argument("--deploy-clients", default="3", metavar="N,...",
@@ -468,6 +513,9 @@ def main() -> None:
         print("## (d) deployment round\n", flush=True)
         for clients in map(int, args.deploy_clients.split(",")):
             print(bench_deploy(6 if args.quick else 10, args.pin_superlink, clients) + "\n", flush=True)
+    if "e" in only:
+        print("## (e) privacy: a round with SecAgg+ and DP\n\n" + bench_privacy(5 if args.quick else 10) + "\n",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from common.protocol import (
 from common.secure_aggregation import CLIPPED_METRIC, COLLECT, MASKED_RECORD
 from common.timing import note, part
 from learning.data_cache import load_client_data, resolve_cache_dir
+from learning.dpsgd import epsilon_of, record_training
 from learning.models import resolve_device, set_deterministic
 
 
@@ -188,6 +189,8 @@ def train(msg: Message, context: Context) -> Message:
         with part("evaluate"):
             evaluation = _evaluate_round(trainer, rnd, int(rnd.message_config[EVALUATE_ROUND]), payload, state)
     result = trainer.fit(rnd, payload, state)   # its parts: model build, train, upload
+    if "dpsgd_steps" in result.metrics:     # record-level DP: this training composed into the client's ledger
+        result.metrics["dpsgd_epsilon"] = _record_dp_epsilon(store.dir, rnd, scope["attempt"], result.metrics)
     with part("state save"):
         store.save(result.state, {**meta, "last_round": rnd.server_round, "client_id": rnd.client_id,
                                   # the rounds this state went through (survives SuperNode restarts)
@@ -197,15 +200,27 @@ def train(msg: Message, context: Context) -> Message:
         upload, metrics = result.upload, result.metrics
         extra = {k: to_record(v) for k, v in result.extra.items()}
         if secrets is not None:     # the shared tensors leave only masked
+            settings = run_settings(rnd.cfg)
             upload, masked, clipped = secagg.mask_upload(secrets, rnd.message_config, sent, upload,
-                                                         result.num_examples, run_settings(rnd.cfg).run.seed,
-                                                         rnd.client_id)
+                                                         result.num_examples, settings.run.seed, rnd.client_id,
+                                                         settings.privacy.noise_seed)
             extra[MASKED_RECORD] = to_record(masked)
             metrics = {**metrics, CLIPPED_METRIC: float(clipped)}
         reply = make_reply(msg, upload, metrics, rnd.client_id, result.num_examples, extra)
         if evaluation is not None:
             add_evaluation(reply, evaluation, rnd.client_id, len(rnd.data.test))
     return reply
+
+
+def _record_dp_epsilon(folder: Path, rnd: ClientRound, attempt: str, metrics: dict[str, float]) -> float:
+    """This client's epsilon of record-level DP-SGD over every training it has run for the run
+    (its ledger in the state folder: a redone round counts again), at ``privacy.delta``."""
+    privacy = run_settings(rnd.cfg).privacy
+    history = record_training(folder, {"round": rnd.server_round, "attempt": attempt,
+                                       "noise_multiplier": privacy.record_noise_multiplier,
+                                       "sample_rate": metrics["dpsgd_sample_rate"],
+                                       "steps": int(metrics["dpsgd_steps"])})
+    return epsilon_of(history, privacy.delta)
 
 
 def _evaluate_round(trainer: Any, rnd: ClientRound, server_round: int, payload: dict[str, np.ndarray],

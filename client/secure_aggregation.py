@@ -7,6 +7,8 @@ state folder (owner-readable only) and are deleted when it has sent its unmask s
 
 from __future__ import annotations
 
+import secrets as secrets_module
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -102,10 +104,12 @@ def receive_shares(config: Mapping[str, Any], state_folder: Path) -> ClientSecre
 
 
 def mask_upload(secrets: ClientSecrets, config: Mapping[str, Any], payload: Mapping[str, np.ndarray],
-                upload: Mapping[str, np.ndarray], num_examples: int, seed: int, client_id: str
-                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+                upload: Mapping[str, np.ndarray], num_examples: int, seed: int, client_id: str,
+                noise_seed: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
     """The upload split: what stays in the clear (never a masked tensor), the masked vector of
-    the update of the tensors the server named, and how many values its quantisation clipped."""
+    the update of the tensors the server named, and how many values its quantisation clipped.
+    With distributed DP the noise is drawn from the OS's randomness (secret), or from
+    ``noise_seed`` (``privacy.noise_seed``: reproducible, protects nothing against whoever knows it)."""
     keys = [str(k) for k in config.get(MASKED_KEYS, [])]  # type: ignore[union-attr]
     missing = [k for k in keys if k not in upload or k not in payload]
     if missing:
@@ -113,6 +117,8 @@ def mask_upload(secrets: ClientSecrets, config: Mapping[str, Any], payload: Mapp
                          "and payload; the server and this client disagree on the method's shared part")
     delta = {k: np.asarray(upload[k], dtype=np.float64) - np.asarray(payload[k], dtype=np.float64) for k in keys}
     rng = rounding_rng(seed, secrets.server_round, client_id)
-    masked, clipped = client_masked_update(secrets, delta, num_examples, rng)
+    noise_rng = np.random.default_rng(secrets_module.randbits(128) if noise_seed is None else
+                                      [noise_seed, secrets.server_round, zlib.crc32(client_id.encode())])
+    masked, clipped = client_masked_update(secrets, delta, num_examples, rng, noise_rng)
     clear = {k: v for k, v in upload.items() if k not in set(keys)}
     return clear, masked, clipped

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,6 +30,7 @@ from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from common.settings import BN_OWN, Settings
 from common.timing import part
 from learning.data import ClientSplit
+from learning.dpsgd import DPSGDConfig
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import (
@@ -201,8 +203,21 @@ class ClientTrainer:
         terms = LossTerms(self.loss_terms(work))
         metrics = train_epochs(work.model, rnd.data.train, self.optim(rnd), rnd.device, seed=rnd.seed,
                                trainable=self.trainable(work.model), extra_loss=terms or None,
-                               after_step=self.after_step(work))
+                               after_step=self.after_step(work), dpsgd=self.record_dp(rnd))
         return {**metrics, **terms.metrics()}
+
+    def record_dp(self, rnd: ClientRound) -> DPSGDConfig | None:
+        """Record-level DP-SGD of the training whose result leaves the client
+        (``privacy.record_dp=dpsgd``), or None. A personal model trained only on this client's
+        data and never uploaded is trained without it (Ditto's)."""
+        p = self.settings.privacy
+        if not p.dpsgd:
+            return None
+        # the noise's and the batches' seed: the OS's randomness (secret), or privacy.noise_seed's
+        # (reproducible, protects nothing against whoever knows it; tests and tables)
+        seed = secrets.randbits(63) if p.noise_seed is None else \
+            int(hashlib.sha256(f"{p.noise_seed}/{rnd.seed}".encode()).hexdigest()[:15], 16)
+        return DPSGDConfig(p.record_noise_multiplier, p.record_clip, p.delta, seed)
 
     def after_step(self, work: LocalRound) -> Callable[[nn.Module], None] | None:
         """An update applied after every optimiser step, outside the optimiser (none by

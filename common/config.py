@@ -333,15 +333,20 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
     settings = run_settings(cfg)
     privacy, run = settings.privacy, settings.run
     problems = secure_aggregation_problems(cfg) if privacy.secure else []
-    if not privacy.central:
+    problems += record_dp_problems(cfg) if privacy.dpsgd else []
+    if not privacy.enabled:
         return problems
     row = method(settings.strategy, cfg.strategy)
+    if privacy.distributed and not privacy.secure:
+        problems.append("privacy.dp=distributed needs privacy.secure_aggregation=secagg+: each client's noise is "
+                        "only a share of the noise, private only in a sum the server cannot see into; add it, or use "
+                        "privacy.dp=central (the server adds the noise)")
     if row.not_private:
-        return [f"privacy.dp=central does not apply to {settings.strategy}: {row.not_private}; use "
+        return [f"privacy.dp={privacy.dp} does not apply to {settings.strategy}: {row.not_private}; use "
                 "privacy.dp=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, fedbabu, "
                 "ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
     if run.checkpoint_every > 1:
-        return [f"privacy.dp=central needs checkpoint_every=1 (or 0), got {run.checkpoint_every}: a resume redoes "
+        return [*problems, f"privacy.dp={privacy.dp} needs checkpoint_every=1 (or 0), got {run.checkpoint_every}: a resume redoes "
                 "the rounds after its checkpoint, and rounds already released would be released again"]
     population = num_clients(cfg.dataset)
     if population < 1:      # an image folder's domains are discovered after this check
@@ -353,6 +358,34 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
     except ValueError as err:
         return [*problems, f"privacy: {err}"]
     return [*problems, problem] if problem is not None else problems
+
+
+def record_dp_problems(cfg: DictConfig) -> list[str]:
+    """Why ``privacy.record_dp=dpsgd`` cannot run as configured: a method whose local training
+    is not one cross-entropy loss over examples (a proximal term or a loop of its own, which
+    Opacus' per-example gradients would drop), a model Opacus cannot train (BatchNorm), mixed
+    precision or ``torch.compile``."""
+    from learning.dpsgd import model_problems
+    from learning.models import build_model
+
+    settings = run_settings(cfg)
+    row = method(settings.strategy, cfg.strategy)
+    if row.no_record_dp:
+        return [f"privacy.record_dp=dpsgd does not apply to {settings.strategy}: {row.no_record_dp}; use "
+                "privacy.record_dp=none, or fedavg, fedavg-ft, fedbabu, ditto, partialfed-fix or local"]
+    problems = []
+    try:
+        model = build_model(cfg.model, (3, 32, 32), 10)   # the module types are what Opacus checks
+    except Exception:    # a model that needs its data's shape is checked again by the client
+        model = None
+    found = model_problems(model) if model is not None else []
+    if found:
+        problems.append(f"privacy.record_dp=dpsgd: Opacus cannot train model={cfg.model.name}: {found[0]}; use a "
+                        "model without BatchNorm (model=mlp)")
+    if settings.train.amp or settings.train.compile:
+        problems.append("privacy.record_dp=dpsgd runs without train.amp and train.compile (Opacus' per-example "
+                        "gradients); set both to false")
+    return problems
 
 
 def secure_aggregation_problems(cfg: DictConfig) -> list[str]:
@@ -394,7 +427,8 @@ def secure_aggregation_problems(cfg: DictConfig) -> list[str]:
 ADDED_GROUPS: dict[str, dict[str, Any]] = {
     "privacy": {"dp": "none", "clip_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "max_epsilon": None,
                 "noise_seed": None, "secure_aggregation": "none", "secagg_shares": None, "secagg_threshold": 0.5,
-                "secagg_clip_range": 4.0, "secagg_bits": 22},
+                "secagg_clip_range": 4.0, "secagg_bits": 22, "record_dp": "none", "record_noise_multiplier": 1.0,
+                "record_clip": 1.0},
 }
 
 

@@ -48,6 +48,7 @@ class Method:
     wrapper: str = ""                        # "module:function" wrapping the network (FedBasis' bases)
     not_private: str = ""                    # why the server rule needs each client's own upload, so neither
                                              # DP of the mean nor secure aggregation applies ("" = it can)
+    no_record_dp: str = ""                   # why its local training cannot be DP-SGD ("" = it can)
     variants: tuple[tuple[str, Method], ...] = ()   # (option that must be true, the variant's row)
 
 

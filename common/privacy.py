@@ -27,7 +27,7 @@ def new_accountant(settings: PrivacySettings, population: int) -> Any:
     try:
         from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
     except ImportError as err:
-        raise ImportError("privacy.dp=central needs Flower >= 1.42 with its accountant (pip install "
+        raise ImportError("privacy.dp (central or distributed) needs Flower >= 1.42 with its accountant (pip install "
                           f"'flwr[dp]>=1.42'): {err}") from err
     return RdpAccountant(PrivacyConfig(target_delta=settings.delta, population_size=population,
                                        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -37,13 +37,23 @@ def new_accountant(settings: PrivacySettings, population: int) -> Any:
 
 def epsilon_of(settings: PrivacySettings, population: int, releases: int) -> float:
     """epsilon at ``privacy.delta`` after ``releases`` rounds released (0 for none)."""
-    if releases < 1:
+    return epsilon_of_schedule(settings, population, [settings.noise_multiplier] * releases)
+
+
+def epsilon_of_schedule(settings: PrivacySettings, population: int, multipliers: list[float]) -> float:
+    """epsilon at ``privacy.delta`` after rounds released with these noise multipliers (with
+    ``privacy.dp=distributed`` a round some clients dropped from carries less noise)."""
+    if not multipliers:
         return 0.0
     from flwr.serverapp import GaussianPrivacyEvent
 
     accountant = new_accountant(settings, population)
-    accountant.compose(GaussianPrivacyEvent(noise_multiplier=settings.noise_multiplier, sample_size=population,
-                                            population_size=population), releases)
+    counts: dict[float, int] = {}
+    for z in multipliers:
+        counts[float(z)] = counts.get(float(z), 0) + 1
+    for z, count in counts.items():    # composition commutes: one event per distinct multiplier
+        accountant.compose(GaussianPrivacyEvent(noise_multiplier=z, sample_size=population,
+                                                population_size=population), count)
     return float(accountant.get_epsilon(settings.delta))
 
 

@@ -96,6 +96,9 @@ class SecAggParams:
     mod_range : ``M``: masks and sums are modulo ``M`` (``M >= m * Q`` and ``M >= Q * (sum r_i)``).
     max_weight : a client's weight is ``n / max_weight`` (0: every weight 1).
     clip_norm : with differential privacy, each client clips its update to this L2 norm first (0: off).
+    noise_std : with ``privacy.dp=distributed``, each client then adds Gaussian noise of this
+        std per value, ``z C / sqrt(m)`` for ``m`` clients sampled: the sum of ``m`` carries
+        ``N(0, (z C)^2)``, as the server's noise would (0: off).
     """
 
     shares: int
@@ -105,6 +108,7 @@ class SecAggParams:
     mod_range: int
     max_weight: float = 0.0
     clip_norm: float = 0.0
+    noise_std: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -254,16 +258,22 @@ def quantize(values: np.ndarray, clip_range: float, quant_range: int, rng: np.ra
 
 
 def client_masked_update(secrets: ClientSecrets, delta: Mapping[str, np.ndarray], num_examples: int,
-                         rng: np.random.Generator) -> tuple[dict[str, np.ndarray], int]:
+                         rng: np.random.Generator, noise_rng: np.random.Generator | None = None
+                         ) -> tuple[dict[str, np.ndarray], int]:
     """Step 3's second half: the weighted update quantised and masked (one int64 array per
     tensor, plus :data:`WEIGHT_ENTRY`), and how many values were clipped to ``[-c, c]``.
-    With ``clip_norm`` the update is first clipped to that L2 norm (differential privacy)."""
+    With ``clip_norm`` the update is first clipped to that L2 norm, and with ``noise_std`` this
+    client's share of the noise is added, drawn from ``noise_rng`` (differential privacy)."""
     p = secrets.params
     keys = sorted(delta)
     arrays = [np.asarray(delta[k], dtype=np.float64) for k in keys]
     if p.clip_norm > 0:
         norm = math.sqrt(sum(float(np.sum(a * a)) for a in arrays))
         arrays = [a * min(1.0, p.clip_norm / norm) if norm > 0 else a for a in arrays]
+    if p.noise_std > 0:
+        if noise_rng is None:
+            raise ValueError("secure aggregation with distributed DP: no noise generator given")
+        arrays = [a + noise_rng.normal(0.0, p.noise_std, a.shape) for a in arrays]
     ratio = num_examples / p.max_weight if p.max_weight > 0 else 1.0
     q_ratio = round(ratio * p.quant_range)
     weight = q_ratio / p.quant_range

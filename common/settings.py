@@ -206,8 +206,9 @@ def personalising_optim(lr: float, batch_size: int, momentum: float, weight_deca
                        epochs=1, clip=train.clip, optimizer=train.optimizer)
 
 
-DP_MODES = ("none", "central")
+DP_MODES = ("none", "central", "distributed")
 SECURE_AGGREGATION_MODES = ("none", "secagg+")
+RECORD_DP_MODES = ("none", "dpsgd")
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,9 @@ class PrivacySettings:
     secagg_threshold: float = 0.5
     secagg_clip_range: float = 4.0
     secagg_bits: int = 22
+    record_dp: str = "none"
+    record_noise_multiplier: float = 1.0
+    record_clip: float = 1.0
 
     def __post_init__(self) -> None:
         one_of("privacy.dp", self.dp, DP_MODES)
@@ -236,6 +240,9 @@ class PrivacySettings:
               f"privacy.secagg_threshold must be a fraction in (0, 1) of the neighbourhood or a whole count >= 2, got {t}")
         finite("privacy.secagg_clip_range", self.secagg_clip_range, 0.0, strict=True)
         check(8 <= self.secagg_bits <= 30, f"privacy.secagg_bits must be in [8, 30], got {self.secagg_bits}")
+        one_of("privacy.record_dp", self.record_dp, RECORD_DP_MODES)
+        finite("privacy.record_noise_multiplier", self.record_noise_multiplier, 0.0, strict=True)
+        finite("privacy.record_clip", self.record_clip, 0.0, strict=True)
         finite("privacy.clip_norm", self.clip_norm, 0.0, strict=True)
         finite("privacy.noise_multiplier", self.noise_multiplier, 0.0, strict=True)
         check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
@@ -248,6 +255,21 @@ class PrivacySettings:
     def central(self) -> bool:
         """Whether the server clips the shared updates and noises their mean."""
         return self.dp == "central"
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the clients add the noise (under secure aggregation), each its share of it."""
+        return self.dp == "distributed"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the shared part is differentially private (clipped, noised, accounted)."""
+        return self.dp != "none"
+
+    @property
+    def dpsgd(self) -> bool:
+        """Whether each client trains with record-level DP-SGD (Opacus)."""
+        return self.record_dp == "dpsgd"
 
     @property
     def secure(self) -> bool:

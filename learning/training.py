@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from learning.dpsgd import DPSGDConfig, make_private, release
 from learning.sources import tensor_view
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -201,6 +202,7 @@ def train_epochs(
     extra_loss: ExtraLoss | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     after_step: Callable[[nn.Module], None] | None = None,
+    dpsgd: DPSGDConfig | None = None,
 ) -> dict[str, float]:
     """Train ``model`` in place for ``opt.epochs`` epochs on ``train_set``.
 
@@ -209,8 +211,16 @@ def train_epochs(
     ``extra_loss(model, x, y, logits)`` is added to the cross-entropy loss.
     ``after_step(model)`` runs (without autograd) after every optimiser step: an update
     outside the optimiser, e.g. a decoupled proximal step.
+    ``dpsgd`` trains with record-level DP-SGD (``learning/dpsgd.py``, Opacus): per-example
+    gradients clipped and noised; the metrics then hold ``dpsgd_steps`` and ``dpsgd_sample_rate``
+    for the accounting. It takes neither an extra loss nor an after-step update (Opacus' noise
+    covers only the per-example loss), nor mixed precision or ``torch.compile``.
     Returns the mean training loss and accuracy over the last epoch and the step count.
     """
+    if dpsgd is not None and (extra_loss is not None or after_step is not None or opt.amp or opt.compile):
+        raise ValueError("privacy.record_dp=dpsgd trains one per-example cross-entropy loss: this training adds "
+                         "a loss term, an after-step update, train.amp or train.compile, which DP-SGD would not "
+                         "cover; use privacy.record_dp=none for this method or setting")
     model.to(device).train()
     saved = {n: p.requires_grad for n, p in model.named_parameters()}
     if trainable is not None:
@@ -220,6 +230,12 @@ def train_epochs(
     loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=seed, device=device)
     loss_fn = nn.CrossEntropyLoss()
     forward = torch.compile(model) if opt.compile else model
+    private = None
+    if dpsgd is not None:     # its own (secret) seed: the noise, and which examples each step uses
+        dp_seed = seed if dpsgd.seed is None else dpsgd.seed
+        loader = make_loader(train_set, opt.batch_size, shuffle=True, seed=dp_seed, device=device)
+        private, optimizer = make_private(model, optimizer, dpsgd, opt.batch_size, dp_seed, device)
+        forward = private
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda", enabled=opt.amp and device.type == "cuda")
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -261,13 +277,18 @@ def train_epochs(
                     "lower train.lr or enable train.clip"
                 )
     finally:
+        if private is not None:
+            release(private)
         for n, p in model.named_parameters():
             p.requires_grad_(saved[n])
-    return {
+    metrics = {
         "train_loss": float(loss_sum) / max(total, 1),
         "train_accuracy": int(correct) / max(total, 1),
         "steps": float(steps),
     }
+    if dpsgd is not None:
+        metrics.update(dpsgd_steps=float(steps), dpsgd_sample_rate=min(1.0, opt.batch_size / max(len(train_set), 1)))
+    return metrics
 
 
 @torch.no_grad()

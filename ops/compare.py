@@ -216,9 +216,11 @@ def privacy_text(runs: list[dict[str, Any]]) -> str:
     without differential privacy; each distinct value once."""
     spent = sorted({(round(float(r["privacy"]["epsilon"]), 4), float(r["privacy"]["delta"]))
                     for r in runs if "privacy" in r})
-    if not spent:
-        return "none"
-    return ", ".join(f"{eps:.4g} ({delta:g})" for eps, delta in spent)
+    records = sorted({(round(float(r["record_dp"]["epsilon_max"]), 4), float(r["record_dp"]["delta"]))
+                      for r in runs if "record_dp" in r})
+    texts = [f"{eps:.4g} ({delta:g})" for eps, delta in spent]
+    texts += [f"record {eps:.4g} ({delta:g})" for eps, delta in records]     # DP-SGD: the largest client's
+    return ", ".join(texts) if texts else "none"
 
 
 def _fmt(values: list[float]) -> str:
@@ -238,7 +240,7 @@ def compare_runs(run_dirs: list[Path], out: Path | None = None, plot: Path | Non
     header = ["strategy", "dataset", "model", "seeds", *[c[1] for c in COLUMNS]]
     show_best_rel = show_rel and all(client_accuracies(r, "best") for r in runs)
     show_bn = any("bn_protocols" in r for r in runs)
-    show_dp = any("privacy" in r for r in runs)
+    show_dp = any("privacy" in r or "record_dp" in r for r in runs)
     header += ["acc mean by seed", "machine"]
     if show_dp:
         header += ["DP epsilon (delta)"]

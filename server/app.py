@@ -43,6 +43,20 @@ def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[
     return cls
 
 
+def record_dp_summary(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """summary.json's ``record_dp``: each client's epsilon of record-level DP-SGD after its last
+    training (rounds' ``record_dp``), and the largest; None without DP-SGD."""
+    latest: dict[str, float] = {}
+    delta = None
+    for record in rounds:
+        if "record_dp" in record:
+            latest.update(record["record_dp"]["epsilon"])
+            delta = record["record_dp"]["delta"]
+    if not latest:
+        return None
+    return {"epsilon_max": max(latest.values()), "epsilon": latest, "delta": delta}
+
+
 def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> PersonalizedStrategy:
     """Initial model from the run seed, then the configured strategy around it."""
     model = build_method_model(cfg, data.input_shape, data.num_classes)
@@ -102,6 +116,8 @@ def main(grid: Grid, context: Context) -> None:
             extras["privacy"] = strategy.privacy.summary()
         if strategy.secure is not None:
             extras["secure_aggregation"] = strategy.secure.summary()
+        if (spent := record_dp_summary(recorder.rounds)) is not None:
+            extras["record_dp"] = spent
         summary = recorder.finish(client_info(data), extras)
     except Exception as err:
         log(ERROR, "pflower run failed: %s", err)

@@ -53,7 +53,7 @@ def flatten_scalars(tree: Any, prefix: str) -> dict[str, float]:
 
 # keys of a round record that are not diagnostics of the method
 _RECORD_KEYS = {"round", "train", "communication", "sampled", "failed", "rejected", "evaluate",
-                "clients", "eval_failed", "elapsed_s", "privacy"}
+                "clients", "eval_failed", "elapsed_s", "privacy", "record_dp", "secure_aggregation"}
 
 
 def evaluation_scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -85,6 +85,9 @@ def round_scalars(record: Mapping[str, Any], round_s: float | None = None) -> di
     if round_s is not None:
         out["time/round_s"] = float(round_s)
     out.update(flatten_scalars(record.get("privacy") or {}, "privacy"))   # epsilon, noise_std, clipped, ...
+    # record-level DP-SGD: each client's epsilon and the largest; SecAgg+: clients, drop-outs, bound, bytes
+    out.update(flatten_scalars(record.get("record_dp") or {}, "privacy/record"))
+    out.update(flatten_scalars(record.get("secure_aggregation") or {}, "secure_aggregation"))
     method = flatten_scalars({k: v for k, v in record.items() if k not in _RECORD_KEYS}, "method")
     out.update(dict(list(method.items())[:MAX_METHOD_TAGS]))
     out.update(evaluation_scalars(record))

@@ -29,6 +29,7 @@ rounds need, saved by :meth:`state`) and, if it needs to, :meth:`payload_for`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ if TYPE_CHECKING:
 # what a method's server module needs (the replies' own names are in strategies/replies.py)
 __all__ = ["ClientUpdate", "EvaluateRound", "Evaluation", "PersonalizedStrategy", "RoundNotes", "RunSettings",
            "TrainResult", "TrainRound", "client_labels"]
+
+# a train reply's metric: the client's epsilon of record-level DP-SGD so far (client/handlers.py)
+DPSGD_EPSILON = "dpsgd_epsilon"
 
 # what a method's aggregation returns for the round's metrics line: {method key: JSON-able}, or None
 RoundNotes = dict[str, Any] | None
@@ -268,15 +272,19 @@ class PersonalizedStrategy(Strategy):
         self.secure = self._secure_aggregation(run.privacy)
 
     def _central_dp(self, settings: PrivacySettings | None) -> CentralDP | None:
-        """DP-FedAvg of the shared part (``privacy.dp=central``): the tensors of the shared
-        role (every uploaded one when no model gives the roles). A method whose rule needs
-        each client's own upload refuses it (its YAML row's ``not_private``), and so do rounds
-        that would spend more than ``privacy.max_epsilon`` with this run's clients."""
-        if settings is None or not settings.central:
+        """DP-FedAvg of the shared part (``privacy.dp=central``, or ``distributed``: the clients
+        add the noise under secure aggregation): the tensors of the shared role (every uploaded
+        one when no model gives the roles). A method whose rule needs each client's own upload
+        refuses it (its YAML row's ``not_private``), and so do rounds that would spend more than
+        ``privacy.max_epsilon`` with this run's clients."""
+        if settings is None or not settings.enabled:
             return None
         why = method(self.name, dataclasses.asdict(self.options)).not_private
         if why:
-            raise ValueError(f"privacy.dp=central does not apply to {self.name}: {why}")
+            raise ValueError(f"privacy.dp={settings.dp} does not apply to {self.name}: {why}")
+        if settings.distributed and not settings.secure:
+            raise ValueError("privacy.dp=distributed needs privacy.secure_aggregation=secagg+ (the clients' noise "
+                             "is only private in a sum the server cannot see into)")
         population = len(self.client_ids)
         if (problem := budget_problem(settings, population, self.run.rounds)) is not None:
             raise ValueError(problem)
@@ -442,6 +450,10 @@ class PersonalizedStrategy(Strategy):
         kept = ({c: {k: np.array(v, copy=True) for k, v in self.personal[c].items()}
                  for c in absent if c in self.personal} if self.keep_absent_personal else {})
         notes = self.aggregate_private(train, updates)
+        spent = {u.client_id: u.metrics[DPSGD_EPSILON] for u in updates if DPSGD_EPSILON in u.metrics}
+        if spent:     # record-level DP-SGD: each client's epsilon (its own accounting)
+            notes["record_dp"] = {"epsilon_max": max(spent.values()), "epsilon": spent,
+                                  "delta": self.run.privacy.delta if self.run.privacy else None}
         if self.keep_absent_personal:
             for cid in absent:
                 if cid in kept:
@@ -480,11 +492,18 @@ class PersonalizedStrategy(Strategy):
         """A round under secure aggregation: the masked tensors become the global value plus the
         unmasked mean update (what each client was sent of them is the global value: they are
         shared), then the method's own rule runs on what the updates carry in the clear (its
-        notes, acknowledgements; no shared tensor), and with ``privacy.dp=central`` the mean
-        is noised and accounted (the clients clipped their updates before masking)."""
+        notes, acknowledgements; no shared tensor), and with DP the clients clipped their
+        updates before masking; with ``privacy.dp=central`` the server noises the mean, with
+        ``distributed`` the clients each added their share of the noise, and a round some of
+        them dropped from carries less: it is accounted at the noise it has,
+        ``z sqrt(m_active / m_sampled)``."""
         assert train.secure is not None and self.secure is not None
+        multiplier = None
         if self.privacy is not None:
-            self.privacy.check_budget()
+            multiplier = self.privacy.settings.noise_multiplier
+            if self.privacy.settings.distributed:
+                multiplier *= math.sqrt(train.secure.notes["clients"] / train.secure.notes["sampled"])
+            self.privacy.check_budget(multiplier)   # before the round's model can leave the server
         for key, delta in train.secure.mean_update.items():
             base = self.global_arrays[key]
             self.global_arrays[key] = (np.asarray(base, dtype=np.float64) + delta).astype(np.asarray(base).dtype)
@@ -498,9 +517,10 @@ class PersonalizedStrategy(Strategy):
         notes = {**notes, "secure_aggregation": train.secure.notes}
         if self.privacy is not None:
             count = int(train.secure.notes["clients"])
-            self.global_arrays = self.privacy.add_noise(self.global_arrays, count, train.server_round)
-            self.privacy.account()
-            notes["privacy"] = self.privacy.notes(None, count)
+            if self.privacy.settings.central:
+                self.global_arrays = self.privacy.add_noise(self.global_arrays, count, train.server_round)
+            self.privacy.account(multiplier)
+            notes["privacy"] = self.privacy.notes(None, count, multiplier)
         log(INFO, "aggregate: %s, the secure mean of %d tensors over %d clients", self.name, len(masked),
             train.secure.notes["clients"])
         return notes

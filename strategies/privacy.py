@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from common.privacy import epsilon_of
+from common.privacy import epsilon_of_schedule
 from common.settings import PrivacySettings
 from learning.params import NDArrays
 from strategies.privacy_math import add_noise, clip_update, noise_std
@@ -43,8 +43,13 @@ class CentralDP:
         self.population = population
         self.shared_keys = list(shared_keys)
         self.noise_key = self._new_key()
-        self.releases = 0          # rounds whose noisy model was (or may have been) released
+        self.schedule: list[float] = []   # the noise multiplier of each round released (or maybe released)
         self.epsilon = 0.0
+
+    @property
+    def releases(self) -> int:
+        """Rounds whose noisy model was (or may have been) released."""
+        return len(self.schedule)
 
     def _new_key(self) -> int:
         """The noise's key: the OS's randomness (secret, kept in the server's checkpoint only),
@@ -61,11 +66,13 @@ class CentralDP:
             raise ValueError(f"central DP: no reference for the shared tensors {missing[:3]}; cannot clip")
         return clip_update(arrays, reference, keys, self.settings.clip_norm)
 
-    def check_budget(self) -> None:
-        """Raise :class:`PrivacyBudgetSpent` when one more release would pass ``max_epsilon``."""
+    def check_budget(self, multiplier: float | None = None) -> None:
+        """Raise :class:`PrivacyBudgetSpent` when one more release (of noise ``multiplier``,
+        default ``privacy.noise_multiplier``) would pass ``max_epsilon``."""
         budget = self.settings.max_epsilon
         if budget is not None:
-            after = epsilon_of(self.settings, self.population, self.releases + 1)
+            z = self.settings.noise_multiplier if multiplier is None else multiplier
+            after = epsilon_of_schedule(self.settings, self.population, [*self.schedule, z])
             if after > budget:
                 raise PrivacyBudgetSpent(
                     f"privacy.max_epsilon={budget:g} is spent: {self.releases} rounds released (epsilon "
@@ -80,21 +87,24 @@ class CentralDP:
         keys = [k for k in self.shared_keys if k in global_arrays]
         return add_noise(global_arrays, keys, std, rng)
 
-    def account(self) -> float:
-        """Compose one released round; returns epsilon at ``privacy.delta``."""
-        self.releases += 1
-        self.epsilon = epsilon_of(self.settings, self.population, self.releases)
+    def account(self, multiplier: float | None = None) -> float:
+        """Compose one released round (of noise ``multiplier``, default ``privacy.noise_multiplier``);
+        returns epsilon at ``privacy.delta``."""
+        self.schedule.append(self.settings.noise_multiplier if multiplier is None else multiplier)
+        self.epsilon = epsilon_of_schedule(self.settings, self.population, self.schedule)
         return self.epsilon
 
-    def notes(self, norms: list[float] | None, replies: int) -> dict[str, Any]:
+    def notes(self, norms: list[float] | None, replies: int, multiplier: float | None = None) -> dict[str, Any]:
         """The round's privacy line of metrics.jsonl. ``clipped`` and ``update_norm_median``
         come from the unclipped updates: server-side diagnostics for choosing ``clip_norm``,
         not covered by the guarantee (docs/privacy.md); None under secure aggregation (the
         clients clip, and the server never sees a norm)."""
         if norms is None:
+            z = self.settings.noise_multiplier if multiplier is None else multiplier
             return {"epsilon": self.epsilon, "delta": self.settings.delta, "clip_norm": self.settings.clip_norm,
-                    "noise_std": noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
-                    if replies else 0.0, "clipped": None, "update_norm_median": None, "clipped_by": "clients"}
+                    "noise_multiplier": z, "noise_std": noise_std(z, self.settings.clip_norm, replies) if replies else 0.0,
+                    "clipped": None, "update_norm_median": None, "clipped_by": "clients",
+                    "noise_added_by": "clients" if self.settings.distributed else "server"}
         return {"epsilon": self.epsilon, "delta": self.settings.delta,
                 "noise_std": noise_std(self.settings.noise_multiplier, self.settings.clip_norm, replies)
                 if replies else 0.0,
@@ -109,7 +119,8 @@ class CentralDP:
 
     def state(self) -> dict[str, Any]:
         """What a resume needs (the server's checkpoint only: the noise key is secret)."""
-        return {"noise_key": self.noise_key, "releases": self.releases, "epsilon": self.epsilon}
+        return {"noise_key": self.noise_key, "releases": self.releases, "epsilon": self.epsilon,
+                "schedule": list(self.schedule)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Resume from a checkpoint. With a secret key, the round after the checkpoint may have
@@ -118,9 +129,9 @@ class CentralDP:
         two releases of one round never share their noise. With ``privacy.noise_seed`` (not
         secret) the run resumes bit for bit instead."""
         self.noise_key = int(state["noise_key"])
-        self.releases = int(state["releases"])
+        self.schedule = [float(z) for z in state.get("schedule", [self.settings.noise_multiplier] * int(state["releases"]))]
         self.epsilon = float(state["epsilon"])
         if self.settings.noise_seed is None:
             self.noise_key = self._new_key()
-            self.releases += 1
-            self.epsilon = epsilon_of(self.settings, self.population, self.releases)
+            self.schedule.append(self.settings.noise_multiplier)    # the redone round, at the full noise
+            self.epsilon = epsilon_of_schedule(self.settings, self.population, self.schedule)

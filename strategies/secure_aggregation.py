@@ -119,7 +119,8 @@ class SecureAggregation:
         mod_range = 2 ** max(MOD_BITS, int(np.ceil(np.log2(sampled * quant_range))) + 1)
         return SecAggParams(shares=shares, threshold=threshold, clip_range=s.secagg_clip_range,
                             quant_range=quant_range, mod_range=mod_range, max_weight=self.max_weight,
-                            clip_norm=s.clip_norm if s.central else 0.0)
+                            clip_norm=s.clip_norm if s.enabled else 0.0,
+                            noise_std=s.noise_multiplier * s.clip_norm / np.sqrt(sampled) if s.distributed else 0.0)
 
     # ------------------------------------------------------------------ the round
     def run(self, grid: Any, train: TrainRound, directory: ClientDirectory, timeout: float,
@@ -225,7 +226,7 @@ class SecureAggregation:
         except ValueError as err:
             raise RoundFailedError(f"round {server_round}: secure aggregation could not unmask: {err}") from err
         train.secure = SecureOutcome(mean, weight_total, {
-            "clients": len(active), "dropped_after_key_sharing": sorted((cid_of[s] for s in dead), key=sampled.index),
+            "clients": len(active), "sampled": len(sampled), "dropped_after_key_sharing": sorted((cid_of[s] for s in dead), key=sampled.index),
             "threshold": params.threshold, "shares": params.shares, "clipped_values": clipped,
             "mean_bound": mean_bound(params, len(active), weight_total),
             "stage_bytes_up": stage_bytes["up"], "stage_bytes_down": stage_bytes["down"]})

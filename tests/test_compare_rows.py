@@ -130,3 +130,12 @@ def test_privacy_md_holds_what_compare_prints_of_its_kept_runs() -> None:
     runs = sorted((REPO / "docs/runs/privacy-digits-sources").iterdir())
     assert len(runs) == 36, "3 methods x (no DP + 3 noise multipliers) x 3 seeds"
     assert compare_runs(runs) == printed
+
+
+def test_the_dp_column_names_record_level_dp_by_its_largest_client_epsilon() -> None:
+    from ops.compare import privacy_text
+
+    runs = [{"privacy": {"epsilon": 12.5, "delta": 1e-5}, "record_dp": {"epsilon_max": 3.25, "delta": 1e-5}},
+            {"record_dp": {"epsilon_max": 4.0, "delta": 1e-5}}]
+    assert privacy_text(runs) == "12.5 (1e-05), record 3.25 (1e-05), record 4 (1e-05)"
+    assert privacy_text([{}]) == "none"

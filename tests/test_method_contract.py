@@ -53,9 +53,13 @@ DP = ["privacy.dp=central", "privacy.noise_seed=7", "privacy.clip_norm=2.0", "pr
 # secure aggregation of the shared part (SecAgg+), alone and with DP (the clients clip, the server noises)
 SECURE = ["privacy.secure_aggregation=secagg+"]
 SECURE_DP = [*SECURE, *DP]
+DISTRIBUTED_DP = [*SECURE, *DP[1:], "privacy.dp=distributed"]   # the clients add the noise
+# record-level DP-SGD of the clients' training (Opacus), on a model without BatchNorm
+DPSGD = ["privacy.record_dp=dpsgd", "model=mlp", "privacy.noise_seed=7"]   # fixed noise: restarts bit for bit
 CASES = [(name, []) for name in method_names()] + [
     (name, [f"strategy.{flag}=true"]) for name in method_names() for flag, _ in method(name).variants] + [
-    (name, extra) for extra in (DP, SECURE, SECURE_DP) for name in method_names() if not method(name).not_private]
+    (name, extra) for extra in (DP, SECURE, SECURE_DP, DISTRIBUTED_DP) for name in method_names() if not method(name).not_private] + [
+    (name, DPSGD) for name in method_names() if not method(name).no_record_dp and not method(name).models]
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "finetune.epochs=1",
          "checkpoint_every=1", "fraction_train=1.0", "deterministic=true"]   # bit-identical on CUDA too
 
@@ -154,7 +158,10 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
         np.testing.assert_array_equal(strategy.global_arrays[k], initial.global_arrays[k])
     assert sorted(record["clients"]) == sorted(strategy.client_ids)
     assert all(0.0 <= m["accuracy"] <= 1.0 for m in record["clients"].values())
-    if extra == DP:   # the round was clipped, noised and accounted
+    if extra == DPSGD:   # every client trained with DP-SGD and reported its epsilon
+        assert sorted(record["record_dp"]["epsilon"]) == sorted(strategy.client_ids), record.get("record_dp")
+        assert all(e > 0 for e in record["record_dp"]["epsilon"].values())
+    if extra in (DP, SECURE_DP, DISTRIBUTED_DP):   # the round was clipped, noised and accounted
         assert record["privacy"]["epsilon"] > 0 and record["privacy"]["noise_std"] > 0, record.get("privacy")
         assert strategy.privacy is not None and strategy.privacy.releases == 1
 

@@ -174,6 +174,21 @@ def test_epsilon_equals_dp_accountings_own_computation(population: int, rounds: 
     assert few.privacy.epsilon == ours
 
 
+def test_rounds_of_different_noise_compose_as_dp_accounting_composes_them() -> None:
+    """privacy.dp=distributed: a round some clients dropped from carries less noise and is
+    accounted at its own multiplier; the composition is dp-accounting's own."""
+    privacy = _privacy(noise_multiplier=1.0, delta=1e-6)
+    dp = CentralDP(privacy, 20, ["w"])
+    schedule = [1.0, 1.0, 0.8, 1.0, 0.6, 0.9]
+    for z in schedule:
+        ours = dp.account(z)
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    for z in schedule:
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+    assert ours == pytest.approx(acc.get_epsilon(1e-6), rel=1e-9)
+    assert dp.state()["schedule"] == schedule
+
+
 def test_the_budget_gives_the_largest_number_of_rounds_that_fits() -> None:
     privacy = _privacy(noise_multiplier=1.0, max_epsilon=8.0)
     fit = rounds_within(privacy, 8, 100)

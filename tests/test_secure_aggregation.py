@@ -118,6 +118,37 @@ def test_a_masked_upload_looks_uniform_and_differs_from_the_update() -> None:
     assert 0.45 < values.mean() < 0.55 and 0.27 < values.std() < 0.31     # uniform on [0, 1): mean 1/2, std 0.289
 
 
+def test_distributed_noise_sums_to_the_central_scale() -> None:
+    """Each of m clients adds N(0, (z C)^2 / m): the unmasked mean carries N(0, (z C / m)^2),
+    the noise the server would add (a statistical test, fixed seeds, 4000 coordinates: the
+    sample std is within 5% of the target with probability > 0.99)."""
+    z, clip, m = 1.5, 2.0, 5
+    params = SecAggParams(shares=m, threshold=3, clip_range=64.0, quant_range=2**22, mod_range=2**32,
+                          clip_norm=clip, noise_std=z * clip / np.sqrt(m))
+    neighbours = neighbourhoods(m, m, np.random.default_rng(0))
+    clients = {i: client_setup(1, i, params) for i in range(1, m + 1)}
+    public = {i: (c.pk1, c.pk2) for i, c in clients.items()}
+    inbox: dict[int, list[tuple[int, bytes]]] = {i: [] for i in clients}
+    for i, c in clients.items():
+        for dst, ciphertext in zip(*client_share_keys(c, public), strict=True):
+            inbox[dst].append((i, ciphertext))
+    masked = {}
+    for i, c in clients.items():
+        got = sorted(inbox[i])
+        client_receive_shares(c, [s for s, _ in got], [x for _, x in got])
+        masked[i], clipped = client_masked_update(c, {"w": np.zeros(4000)}, 10, rounding_rng(0, 1, str(i)),
+                                                  np.random.default_rng(100 + i))
+        assert clipped == 0
+    held: dict[int, list[bytes]] = {s: [] for s in clients}
+    for i in clients:
+        for owner, share in zip(*client_unmask(clients[i], list(clients), []), strict=True):
+            held[owner].append(share)
+    mean, _ = unmask_mean(sum_masked(masked.values(), params.mod_range), m, params,
+                          {s: rebuild(held[s]) for s in clients}, {}, public, neighbours, clients)
+    assert abs(mean["w"].std() / (z * clip / m) - 1) < 0.05
+    assert abs(mean["w"].mean()) < 4 * z * clip / m / np.sqrt(4000)
+
+
 # ------------------------------------------------------------------ a real round
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "checkpoint_every=1",
          "fraction_train=1.0", "deterministic=true", "privacy.secure_aggregation=secagg+"]
@@ -145,9 +176,9 @@ class Clients:
         real = client_secagg.mask_upload
 
         def recording(secrets: Any, config: Any, payload: Any, upload: Any, num_examples: int, seed: int,
-                      client_id: str) -> Any:
+                      client_id: str, *rest: Any) -> Any:
             self.true_uploads[(secrets.server_round, client_id)] = (dict(payload), dict(upload), num_examples)
-            return real(secrets, config, payload, upload, num_examples, seed, client_id)
+            return real(secrets, config, payload, upload, num_examples, seed, client_id, *rest)
 
         monkeypatch.setattr(client_secagg, "mask_upload", recording)
 
@@ -250,6 +281,23 @@ def test_below_the_threshold_the_run_fails_cleanly_and_its_resume_ends_as_an_und
 
 
 @pytest.mark.usefixtures("flower_task")
+def test_distributed_dp_accounts_a_round_with_a_dropout_at_the_noise_it_has(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    dp = ["privacy.dp=distributed", "privacy.noise_multiplier=0.5", "privacy.clip_norm=1.0"]
+    _federate(_run_config(tmp_path, "run", 2, dp), monkeypatch, drop={(2, "2", COLLECT)})
+    first, second = _records(tmp_path / "run")
+    assert first["privacy"]["noise_multiplier"] == 0.5 and first["privacy"]["noise_added_by"] == "clients"
+    assert second["privacy"]["noise_multiplier"] == pytest.approx(0.5 * np.sqrt(3 / 4))   # 3 of 4 noise shares
+    from common.privacy import epsilon_of_schedule
+    from common.settings import PrivacySettings
+
+    settings = PrivacySettings(dp="distributed", clip_norm=1.0, noise_multiplier=0.5, delta=1e-5, max_epsilon=None,
+                               noise_seed=None)
+    assert second["privacy"]["epsilon"] == pytest.approx(epsilon_of_schedule(settings, 4, [0.5, 0.5 * np.sqrt(3 / 4)]))
+    assert second["privacy"]["epsilon"] > epsilon_of_schedule(settings, 4, [0.5, 0.5])
+
+
+@pytest.mark.usefixtures("flower_task")
 def test_a_client_missing_at_unmask_is_covered_by_the_others_shares(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     strategy, clients = _federate(_run_config(tmp_path, "run", 1), monkeypatch, drop={(1, "3", UNMASK)})
@@ -276,6 +324,12 @@ def test_a_method_that_needs_each_upload_refuses_secure_aggregation(name: str) -
         validate_config(compose_config(overrides=[f"strategy={name}", "privacy.secure_aggregation=secagg+"]))
 
 
+def test_distributed_dp_without_secure_aggregation_is_refused() -> None:
+    with pytest.raises(ConfigError, match="privacy.dp=distributed needs privacy.secure_aggregation=secagg"):
+        validate_config(compose_config(overrides=["privacy.dp=distributed"]))
+    validate_config(compose_config(overrides=["privacy.dp=distributed", "privacy.secure_aggregation=secagg+"]))
+
+
 def test_a_threshold_above_the_clients_and_a_norm_bound_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"secagg_threshold=40 is above the \d+ clients"):
         validate_config(compose_config(overrides=["privacy.secure_aggregation=secagg+",
@@ -291,3 +345,21 @@ def test_a_threshold_above_the_clients_and_a_norm_bound_are_refused() -> None:
 def test_every_averaging_method_composes_with_secure_aggregation() -> None:
     for name in (n for n in method_names() if not method(n).not_private):
         validate_config(compose_config(overrides=[f"strategy={name}", "privacy.secure_aggregation=secagg+"]))
+
+
+def test_flowers_strategy_start_is_refused_with_secure_aggregation_on() -> None:
+    """Flower's own round driver would send plain train messages (clients upload in the clear)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from common.settings import PrivacySettings
+    from strategies.base import RunSettings
+    from strategies.baselines import FedAvg
+
+    privacy = PrivacySettings(dp="none", clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, max_epsilon=None,
+                              noise_seed=None, secure_aggregation="secagg+")
+    run = RunSettings(seed=0, rounds=2, fraction_train=1.0, min_train_clients=2, wait_for_clients=1.0,
+                      round_timeout=1.0, norm_bound=0.0, privacy=privacy)
+    strategy = FedAvg({"w": np.zeros(3, np.float32)}, ["0", "1"], run, {"name": "fedavg", "weighted": True})
+    assert strategy.secure is not None and strategy.secure.masked_keys == ["w"]
+    with pytest.raises(RuntimeError, match="runs in pflower's round loop"):
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), FakeGrid(["0", "1"]))

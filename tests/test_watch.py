@@ -44,6 +44,8 @@ def test_round_scalars_name_every_number_of_a_round_record() -> None:
               "clients": {"0": {"accuracy": 1.0}, "1": {"accuracy": 0.5}}, "eval_failed": {"2": "gone"},
               "fedbasis": {"phase": "bases", "entropy": 1.25, "coefficients": {"0": {"conv1": [0.5, 0.5]}}},
               "privacy": {"epsilon": 4.5, "delta": 1e-5, "clipped": 2},
+              "record_dp": {"epsilon_max": 3.0, "epsilon": {"0": 3.0, "1": 2.0}},
+              "secure_aggregation": {"clients": 2, "mean_bound": 1e-6},
               "elapsed_s": 12.0}
     assert round_scalars(record, round_s=4.0) == {
         "train/loss": 0.5, "train/p_global/conv1": 0.25, "train/clients": 2.0,
@@ -54,7 +56,9 @@ def test_round_scalars_name_every_number_of_a_round_record() -> None:
         "accuracy/mean": 0.75, "accuracy/worst": 0.5, "accuracy/std": 0.25,
         "accuracy/global/mean": 0.6, "accuracy/global/worst": 0.4, "accuracy/global/std": 0.2,
         "clients/accuracy/0": 1.0, "clients/accuracy/1": 0.5, "clients/eval_failed": 1.0,
-        "privacy/epsilon": 4.5, "privacy/delta": 1e-5, "privacy/clipped": 2.0}
+        "privacy/epsilon": 4.5, "privacy/delta": 1e-5, "privacy/clipped": 2.0,
+        "privacy/record/epsilon_max": 3.0, "privacy/record/epsilon/0": 3.0, "privacy/record/epsilon/1": 2.0,
+        "secure_aggregation/clients": 2.0, "secure_aggregation/mean_bound": 1e-6}
     assert flatten_scalars({"a": [1, float("nan"), True, "x"]}, "m") == {"m/a/0": 1.0}
 
 
