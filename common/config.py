@@ -378,7 +378,10 @@ def record_dp_problems(cfg: DictConfig) -> list[str]:
         model = build_model(cfg.model, (3, 32, 32), 10)   # the module types are what Opacus checks
     except Exception:    # a model that needs its data's shape is checked again by the client
         model = None
-    found = model_problems(model) if model is not None else []
+    try:
+        found = model_problems(model) if model is not None else []
+    except ImportError as err:
+        return [str(err)]
     if found:
         problems.append(f"privacy.record_dp=dpsgd: Opacus cannot train model={cfg.model.name}: {found[0]}; use a "
                         "model without BatchNorm (model=mlp)")

@@ -41,8 +41,17 @@ class DPSGDConfig:
     seed: int | None = None
 
 
+def _opacus() -> None:
+    """Opacus, or an error that says how to install it."""
+    try:
+        import opacus  # noqa: F401
+    except ImportError as err:
+        raise ImportError("privacy.record_dp=dpsgd needs Opacus: pip install 'pflower[dpsgd]' (or opacus>=1.5)") from err
+
+
 def model_problems(model: nn.Module) -> list[str]:
     """Why Opacus cannot train ``model`` with per-example gradients (empty when it can)."""
+    _opacus()
     from opacus.validators import ModuleValidator
 
     return [str(err).split(". ")[0] for err in ModuleValidator.validate(model, strict=False)]
@@ -52,6 +61,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, config: DPS
                  seed: int, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` with per-example gradients (trains the same parameters) and ``optimizer``
     clipping them and adding the noise (drawn from ``seed``). Call :func:`release` after training."""
+    _opacus()
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
@@ -75,6 +85,7 @@ def release(private: nn.Module) -> None:
 
 def epsilon_of(history: Iterable[tuple[float, float, int]], delta: float) -> float:
     """epsilon at ``delta`` of trainings ``(noise_multiplier, sample_rate, steps)`` composed."""
+    _opacus()
     from opacus.accountants import RDPAccountant
 
     steps = [(float(z), float(q), int(n)) for z, q, n in history if n > 0]

@@ -236,7 +236,7 @@ def test_a_stopped_superlink_takes_the_processes_of_its_runs_with_it(tmp_path):
 def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     """``pflower deploy`` (default: TLS + SuperNode authentication): 3 SuperNodes with
     registered keys, FedAvg then FedBN for 2 rounds each against the same SuperLink, both
-    with secure aggregation (SecAgg+) and differential privacy of the shared part
+    with secure aggregation (SecAgg+) and distributed differential privacy of the shared part
     (docs/privacy.md; the other deployment tests run without them); results checked; no
     process left behind."""
     work = tmp_path / "work"
@@ -244,7 +244,8 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     # DP needs Flower 1.42's accountant (the 1.39 lane runs this test without it); small noise: learns in 2 rounds
     dp = flower_series() != "1.39"
     private = ["privacy.secure_aggregation=secagg+"]    # SecAgg+ needs only Flower's primitives (1.39 too)
-    private += ["privacy.dp=central", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10"] if dp else []
+    # the clients add the noise (distributed DP, under SecAgg+), small: the run learns in 2 rounds
+    private += ["privacy.dp=distributed", "privacy.noise_multiplier=0.001", "privacy.clip_norm=10"] if dp else []
     cmd = [sys.executable, "-m", "ops.cli", "deploy", "--workdir", str(work), "--timeout", "900",
            "experiment=deploy-3", "strategy=fedavg,fedbn", "rounds=2", f"results_root={results}", *private, *FAST]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900)
@@ -263,7 +264,8 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
         # each round's shared part was summed under SecAgg+ by all three clients
         assert all(r["secure_aggregation"]["clients"] == 3 for r in recs), [r.get("secure_aggregation") for r in recs]
         assert _summary(results, runs[0])["secure_aggregation"]["protocol"] == "secagg+"
-        if dp:      # each round clipped, noised, accounted
+        if dp:      # each round clipped and noised by the clients, accounted by the server
+            assert all(r["privacy"]["noise_added_by"] == "clients" for r in recs)
             spent = [r["privacy"]["epsilon"] for r in recs]
             assert 0 < spent[0] < spent[1] == _summary(results, runs[0])["privacy"]["epsilon"]
         # each SuperNode kept its state in its own node-config state-dir, under the results

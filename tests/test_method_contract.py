@@ -135,9 +135,10 @@ def _same(a: Any, b: Any) -> bool:
 
 @pytest.mark.usefixtures("flower_task")
 @pytest.mark.parametrize(("name", "extra"), CASES, ids=[" ".join([n, *e]) for n, e in CASES])
-def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
+def test_method_contract(name: str, extra: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # ---- 1. one round through server loop, wire and ClientApp
     one = _run_config(name, extra, tmp_path, "restarted", rounds=1)
+    true_uploads = _record_true_uploads(monkeypatch)   # under secure aggregation: what was masked
     before: dict[str, Any] = {}
     strategy, clients, cfg = _federate(one, run_id=1, before=before)
     initial = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
@@ -154,6 +155,14 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
     if secure:
         assert masked and masked <= set(keys_with(roles, "shared"))
         assert record["secure_aggregation"]["clients"] == len(strategy.client_ids)
+        if extra == SECURE:   # the unmasked mean is the plain (weighted) mean of the true uploads, within its bound
+            ups = [true_uploads[c] for c in sorted(true_uploads)]
+            weights = [float(n) if strategy.weighted else 1.0 for _, n in ups]
+            bound = record["secure_aggregation"]["mean_bound"]
+            for k in masked:
+                plain = sum(w * up[k].astype(np.float64) for w, (up, _) in zip(weights, ups, strict=True)) / sum(weights)
+                diff = np.abs(strategy.global_arrays[k].astype(np.float64) - plain).max()
+                assert diff <= bound + 1e-6 * (1 + np.abs(plain).max()), (name, k, diff, bound)
     for k in keys_with(roles, FROZEN):
         np.testing.assert_array_equal(strategy.global_arrays[k], initial.global_arrays[k])
     assert sorted(record["clients"]) == sorted(strategy.client_ids)
@@ -211,6 +220,23 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path) -> None:
         assert f["evaluate"] == s["evaluate"]
     n = len(separate.client_ids)
     assert (sep_clients.evaluate_messages, fused_clients.evaluate_messages) == (2 * n, n)
+
+
+def _record_true_uploads(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[dict[str, np.ndarray], int]]:
+    """Each client's upload of the first round as it was before masking (secure aggregation)."""
+    from client import secure_aggregation as client_secagg
+
+    seen: dict[str, tuple[dict[str, np.ndarray], int]] = {}
+    real = client_secagg.mask_upload
+
+    def recording(secrets: Any, config: Any, payload: Any, upload: Any, num_examples: int, seed: int,
+                  client_id: str, *rest: Any) -> Any:
+        if secrets.server_round == 1:
+            seen.setdefault(client_id, ({k: np.array(v, copy=True) for k, v in upload.items()}, num_examples))
+        return real(secrets, config, payload, upload, num_examples, seed, client_id, *rest)
+
+    monkeypatch.setattr(client_secagg, "mask_upload", recording)
+    return seen
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
