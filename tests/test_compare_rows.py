@@ -128,7 +128,7 @@ def test_privacy_md_holds_what_compare_prints_of_its_kept_runs() -> None:
     assert "pflower compare docs/runs/privacy-digits-sources/*" in page
     printed = page.split("<!-- compare: privacy-digits-sources -->\n")[1].split("\n<!-- /compare -->")[0]
     runs = sorted((REPO / "docs/runs/privacy-digits-sources").iterdir())
-    assert len(runs) == 36, "3 methods x (no DP + 3 noise multipliers) x 3 seeds"
+    assert len(runs) == 45, "3 methods x (no DP + 3 noise multipliers + SecAgg+) x 3 seeds"
     assert compare_runs(runs) == printed
 
 

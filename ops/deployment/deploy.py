@@ -170,7 +170,8 @@ class SuperNode:
                 print(f"pflower: SuperNode {self.index} {err}; starting it again on a fresh port",
                       file=sys.stderr, flush=True)
                 self.command[self.command.index("--port") + 1] = str(free_port())
-                self._spawn(f"----- pflower: start #{self.starts} again, its port was taken")
+                self._spawn(f"----- pflower: start #{self.starts} again, on a fresh port: it exited before listening "
+                            f"(its port taken, or the error above)")
         return self
 
     def _spawn(self, marker: str) -> None:
