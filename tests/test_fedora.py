@@ -113,13 +113,13 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
     real = cf.train_epochs
 
     def spy(model, ds, opt, device, seed=0, trainable=None, extra_loss=None, optimizer=None,
-            after_step=None):
+            after_step=None, dpsgd=None):
         # the penalty the trainer will minimise, evaluated on theta_k before training
         seen["extra"] = None if extra_loss is None else float(
             extra_loss(model, None, None, torch.zeros(1)).detach())
         seen["start"] = get_arrays(model)
         return real(model, ds, opt, device, seed=seed, trainable=trainable,
-                    extra_loss=extra_loss, optimizer=optimizer, after_step=after_step)
+                    extra_loss=extra_loss, optimizer=optimizer, after_step=after_step, dpsgd=dpsgd)
 
     monkeypatch.setattr(cf, "train_epochs", spy)
     result = FEDORATrainer(cfg).fit(rnd, payload, state)
