@@ -106,7 +106,6 @@ def test_a_client_refuses_to_send_both_shares_of_one_neighbour() -> None:
 
 
 def test_a_masked_upload_looks_uniform_and_differs_from_the_update() -> None:
-    mean, _, updates, _, _ = _protocol(5, PARAMS, set())
     params = PARAMS
     client = client_setup(1, 1, params)
     others = {i: client_setup(1, i, params) for i in range(2, 6)}
@@ -198,10 +197,7 @@ def _federate(run_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
     clients = Clients(run_config, data.client_ids, monkeypatch, drop)
-    try:
-        run_federation(strategy, FakeGrid(data.client_ids, clients), cfg, RunRecorder(cfg, resume=bool(cfg.resume)))
-    finally:
-        clients.strategy = strategy  # type: ignore[attr-defined]
+    run_federation(strategy, FakeGrid(data.client_ids, clients), cfg, RunRecorder(cfg, resume=bool(cfg.resume)))
     return strategy, clients
 
 
