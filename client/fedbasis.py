@@ -13,7 +13,9 @@ coefficient vector per unit). One round, as steps:
   ``private_state`` keeps the sharpened logits, with which the client's personalised
   model is evaluated (the combination its bases were trained for).
 
-Each round reports the learned (pre-sharpening) coefficients as ``coeff/<unit>/<k>``.
+Each round reports the learned (pre-sharpening) coefficients as ``coeff/<unit>/<k>``, except
+under DP or secure aggregation (``privacy``), where they are personal parameters that stay
+home like the logits themselves (the server's coefficient diagnostics are then empty).
 
 New clients (:meth:`FedBasisTrainer.new_client_model`) receive the bases and learn only
 their logits (and, with ``personalize_head``, the classifier), from uniform.
@@ -87,8 +89,9 @@ class FedBasisTrainer(ClientTrainer):
         bases = train_epochs(model, rnd.data.train, dataclasses.replace(opt, epochs=o.basis_epochs),
                              rnd.device, seed=rnd.seed + 1, trainable=lambda n: n != COEFF_KEY)
         metrics = {**bases, **{f"coeff_{k}": v for k, v in coeff.items()}}
-        metrics.update({f"{COEFF_METRIC}{u}/{k}": float(alpha[i, k])
-                        for i, u in enumerate(model.unit_names) for k in range(model.num_bases)})
+        if not self.settings.privacy.guards_uploads:     # personal parameters: kept home under DP or SecAgg+
+            metrics.update({f"{COEFF_METRIC}{u}/{k}": float(alpha[i, k])
+                            for i, u in enumerate(model.unit_names) for k in range(model.num_bases)})
         return metrics
 
     def upload(self, work: LocalRound) -> tuple[NDArrays, dict[str, NDArrays]]:

@@ -91,20 +91,27 @@ def check_payload(payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return payload
 
 
+def _addressed(msg: Message, context: Context) -> tuple[DictConfig, dict[str, Any], str, Path]:
+    """What every message needs first: the instruction checked, the run's configuration on this
+    node, the message's config, the client it is for (a simulated node may serve several,
+    client/identity.py) and that client's state folder."""
+    check_instruction(msg)
+    cfg = client_config(context)
+    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
+    client_id = client_id_of(context, server_cfg)
+    run_name = str(server_cfg.get("run-name", run_settings(cfg).run.run_name))
+    return cfg, server_cfg, client_id, state_dir_of(context, cfg, client_id, run_name)
+
+
 def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
     with part("config"):
-        check_instruction(msg)
-        cfg = client_config(context)
-        server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
-        # the client this message is for (a simulated node may serve several, client/identity.py)
-        client_id = client_id_of(context, server_cfg)
+        cfg, server_cfg, client_id, state_dir = _addressed(msg, context)
         settings = run_settings(cfg)
         run = settings.run
     with part("data"):
         # only this client's split, from the on-disk cache after the first process built it
         split, info = load_client_data(cfg.dataset, run.seed, client_id, resolve_cache_dir(run.data_cache))
     with part("config"):
-        run_name = str(server_cfg.get("run-name", run.run_name))
         set_deterministic(run.deterministic)
         rnd = ClientRound(
             cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
@@ -115,7 +122,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         # context.state (the in-memory copy of the state) is the node's: a simulation runs two
         # messages for one node at once and keeps whichever context comes back last, which may
         # hold an older state of another client. A node serving several clients reads from disk.
-        store = ClientStateStore(state_dir_of(context, cfg, client_id, run_name),
+        store = ClientStateStore(state_dir,
                                  None if serves_several(context.node_config, len(info.client_ids)) else context.state,
                                  checkpoint_every=run.checkpoint_every)
         trainer = trainer_for(cfg, settings.strategy)
@@ -155,12 +162,7 @@ def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
 
 def _secure_stage(msg: Message, context: Context) -> Message:
     """A SecAgg+ step that is not training (client/secure_aggregation.py): no data is loaded."""
-    check_instruction(msg)
-    cfg = client_config(context)
-    server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
-    client_id = client_id_of(context, server_cfg)
-    run_name = str(server_cfg.get("run-name", run_settings(cfg).run.run_name))
-    return secagg.answer_stage(msg, context, state_dir_of(context, cfg, client_id, run_name))
+    return secagg.answer_stage(msg, context, _addressed(msg, context)[3])
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -176,7 +178,10 @@ def train(msg: Message, context: Context) -> Message:
                          f"{(*secagg.KEY_STAGES, COLLECT)}")
     with part("decode"):
         payload = check_payload(from_record(msg.content.array_records.get(ARRAYS_KEY)))
-    sent = {k: np.array(v, copy=True) for k, v in payload.items()} if secrets is not None else payload
+    # under secure aggregation, what was sent of the masked tensors (their update is masked), kept
+    # apart from what training may change
+    sent = {k: np.array(payload[k], copy=True) for k in secagg.masked_keys_of(rnd.message_config)
+            if k in payload} if secrets is not None else payload
     scope = _state_scope(rnd, context)
     with part("state load"):
         state, meta = store.load(max_round=rnd.server_round - 1, **scope)

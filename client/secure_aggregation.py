@@ -103,6 +103,11 @@ def receive_shares(config: Mapping[str, Any], state_folder: Path) -> ClientSecre
     return secrets
 
 
+def masked_keys_of(config: Mapping[str, Any]) -> list[str]:
+    """The tensors the server asks this round's upload to mask (the collect message's list)."""
+    return [str(k) for k in config.get(MASKED_KEYS, [])]  # type: ignore[union-attr]
+
+
 def mask_upload(secrets: ClientSecrets, config: Mapping[str, Any], payload: Mapping[str, np.ndarray],
                 upload: Mapping[str, np.ndarray], num_examples: int, seed: int, client_id: str,
                 noise_seed: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
@@ -110,7 +115,7 @@ def mask_upload(secrets: ClientSecrets, config: Mapping[str, Any], payload: Mapp
     the update of the tensors the server named, and how many values its quantisation clipped.
     With distributed DP the noise is drawn from the OS's randomness (secret), or from
     ``noise_seed`` (``privacy.noise_seed``: reproducible, protects nothing against whoever knows it)."""
-    keys = [str(k) for k in config.get(MASKED_KEYS, [])]  # type: ignore[union-attr]
+    keys = masked_keys_of(config)
     missing = [k for k in keys if k not in upload or k not in payload]
     if missing:
         raise ValueError(f"secure aggregation: the tensors {missing[:3]} to mask are not in this client's upload "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from common.methods import ROW_KEY, method, method_options
+from common.methods import ROW_KEY, method, method_options, not_private
 from common.settings import (
     GROUP_KEYS,
     FinetuneSettings,
@@ -336,15 +336,15 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
     problems += record_dp_problems(cfg) if privacy.dpsgd else []
     if not privacy.enabled:
         return problems
-    row = method(settings.strategy, cfg.strategy)
+    why = not_private(cfg.strategy)
     if privacy.distributed and not privacy.secure:
         problems.append("privacy.dp=distributed needs privacy.secure_aggregation=secagg+: each client's noise is "
                         "only a share of the noise, private only in a sum the server cannot see into; add it, or use "
                         "privacy.dp=central (the server adds the noise)")
-    if row.not_private:
-        return [f"privacy.dp={privacy.dp} does not apply to {settings.strategy}: {row.not_private}; use "
+    if why:
+        return [f"privacy.dp={privacy.dp} does not apply to {settings.strategy}: {why}; use "
                 "privacy.dp=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, fedbabu, "
-                "ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
+                "ditto, partialfed-fix, fedavg-ft, fedprox-ft, fedbasis)"]
     if run.checkpoint_every > 1:
         return [*problems, f"privacy.dp={privacy.dp} needs checkpoint_every=1 (or 0), got {run.checkpoint_every}: a resume redoes "
                 "the rounds after its checkpoint, and rounds already released would be released again"]
@@ -400,11 +400,11 @@ def secure_aggregation_problems(cfg: DictConfig) -> list[str]:
 
     settings = run_settings(cfg)
     privacy, run = settings.privacy, settings.run
-    row = method(settings.strategy, cfg.strategy)
-    if row.not_private:
-        return [f"privacy.secure_aggregation=secagg+ does not apply to {settings.strategy}: {row.not_private}; use "
+    why = not_private(cfg.strategy)
+    if why:
+        return [f"privacy.secure_aggregation=secagg+ does not apply to {settings.strategy}: {why}; use "
                 "privacy.secure_aggregation=none, or a method whose shared part is a mean (fedavg, fedprox, fedbn, "
-                "fedbabu, ditto, partialfed-fix, fedavg-ft, fedprox-ft)"]
+                "fedbabu, ditto, partialfed-fix, fedavg-ft, fedprox-ft, fedbasis)"]
     problems = []
     if run.norm_bound > 0:
         problems.append(f"norm_bound={run.norm_bound:g} cannot be checked under secure aggregation (the server "

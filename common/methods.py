@@ -105,6 +105,13 @@ def method(name: str, options: Mapping[str, Any] | None = None) -> Method:
     return row
 
 
+def not_private(strategy: Mapping[str, Any]) -> str:
+    """Why the configured method (``cfg.strategy``) needs each client's own upload at the server,
+    so that neither DP of the mean nor secure aggregation applies; "" when it can take both. Its
+    YAML row's ``not_private`` (the whole method) or its options' (some settings of it)."""
+    return method(str(strategy["name"]), strategy).not_private or method_options(strategy).not_private()
+
+
 def load_named(path: str) -> Any:
     """The object a row names as ``"module:attribute"`` (the server and client classes are
     loaded by the two app edges, ``server/app.py`` and ``client/handlers.py``, so that this

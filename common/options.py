@@ -41,6 +41,14 @@ class MethodOptions:
     name: str
     weighted: bool
 
+    def not_private(self) -> str:
+        """Why these settings of the method need each client's own upload at the server, so that
+        neither DP of the mean nor secure aggregation applies ("" when they do not). A method
+        whose rule always needs it says so in its YAML row's ``not_private`` instead; one whose
+        rule needs it only in some settings (FedBasis' bases seeded from the clients' models)
+        overrides this, naming the setting that lifts it."""
+        return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class FedProxOptions(MethodOptions):

@@ -276,6 +276,12 @@ class PrivacySettings:
         """Whether the shared part is summed under SecAgg+ (the server sees only the sum)."""
         return self.secure_aggregation == "secagg+"
 
+    @property
+    def guards_uploads(self) -> bool:
+        """Whether what a client sends is protected (DP of the mean, or secure aggregation): then
+        a client reports no personal parameter among its metrics either (FedBasis' coefficients)."""
+        return self.enabled or self.secure
+
 
 @dataclass(frozen=True)
 class Settings:

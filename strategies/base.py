@@ -279,7 +279,7 @@ class PersonalizedStrategy(Strategy):
         ``privacy.max_epsilon`` with this run's clients."""
         if settings is None or not settings.enabled:
             return None
-        why = method(self.name, dataclasses.asdict(self.options)).not_private
+        why = method(self.name, dataclasses.asdict(self.options)).not_private or self.options.not_private()
         if why:
             raise ValueError(f"privacy.dp={settings.dp} does not apply to {self.name}: {why}")
         if settings.distributed and not settings.secure:
@@ -298,7 +298,7 @@ class PersonalizedStrategy(Strategy):
         counters) are not averaged and keep the global value."""
         if settings is None or not settings.secure:
             return None
-        why = method(self.name, dataclasses.asdict(self.options)).not_private
+        why = method(self.name, dataclasses.asdict(self.options)).not_private or self.options.not_private()
         if why:
             raise ValueError(f"privacy.secure_aggregation=secagg+ does not apply to {self.name}: {why}")
         shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)

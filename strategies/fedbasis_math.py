@@ -61,6 +61,17 @@ class FedBasisOptions(MethodOptions):
         check_option(0 <= self.warm_fraction < 1, f"strategy.warm_fraction must be in [0, 1), got {self.warm_fraction}")
         check_choice("seed_bases", self.seed_bases, ("kmeans", "sample"))
 
+    def not_private(self) -> str:
+        """The end of a warm-up seeds the bases from the clients' own models (K-means over them,
+        or K of them as they are): the server must see each one. Without a warm-up the bases
+        start from K independent initialisations and every round is a mean per basis, which
+        DP of the mean and secure aggregation can take (the coefficients stay on the client)."""
+        if self.warm_fraction > 0:
+            return (f"FedBasis seeds its bases from each client's own model at the end of its warm-up "
+                    f"(strategy.warm_fraction={self.warm_fraction:g}, seed_bases={self.seed_bases}); set "
+                    "strategy.warm_fraction=0 (K independently initialised bases, each averaged every round)")
+        return ""
+
 
 def fedbasis_roles(model: nn.Module) -> dict[str, str]:
     """FedBasis: the bases (and the major basis) shared, the combination logits local."""

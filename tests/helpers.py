@@ -20,6 +20,11 @@ from strategies.base import PersonalizedStrategy, RunSettings, TrainRound
 
 REPO = Path(__file__).resolve().parent.parent
 
+# the settings under which a method whose YAML row allows DP and secure aggregation has a mean
+# rule (its options' not_private() is empty): FedBasis without the warm-up that seeds its bases
+# from the clients' own models
+PRIVATE_FORM: dict[str, list[str]] = {"fedbasis": ["strategy.warm_fraction=0"]}
+
 
 def pflower(*args: str, timeout: float = 600, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 from client.fedbasis import FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
-from common.config import ConfigError, compose_config
+from common.config import ConfigError, compose_config, validate_config
 from common.flower_compat import send_and_receive
 from common.protocol import make_reply
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
@@ -178,6 +178,29 @@ def test_a_round_uploads_the_bases_and_keeps_k_numbers_per_unit(data) -> None:
     state = trainer.private_state(work)
     assert list(state) == [MODEL_PREFIX + COEFF_KEY]
     assert state[MODEL_PREFIX + COEFF_KEY].shape == (4, 4)          # 4 units x K = 4 bases
+
+
+@pytest.mark.parametrize("privacy", [["privacy.secure_aggregation=secagg+"], ["privacy.dp=central"]])
+def test_under_dp_or_secure_aggregation_the_coefficients_stay_on_the_client(data, privacy: list[str]) -> None:
+    """The learned coefficients are personal parameters: reported only when nothing guards the
+    uploads (the server's diagnostics then have no entropy, its bases' cosine stays)."""
+    plain = _round(data, "strategy.warm_fraction=0")
+    guarded = _round(data, "strategy.warm_fraction=0", *privacy)
+    plain_metrics, guarded_metrics = plain[0].train(plain[1]), guarded[0].train(guarded[1])
+    coefficients = {k for k in plain_metrics if k.startswith(COEFF_METRIC)}
+    assert len(coefficients) == 4 * 4                               # 4 units x K = 4
+    assert set(guarded_metrics) == set(plain_metrics) - coefficients
+    # the model trained the same either way (the metrics' choice changes nothing else)
+    for k, v in get_arrays(plain[1].model).items():
+        np.testing.assert_array_equal(get_arrays(guarded[1].model)[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("privacy", ["privacy.secure_aggregation=secagg+", "privacy.dp=central"])
+def test_a_warm_up_that_seeds_the_bases_from_client_models_refuses_privacy(privacy: str) -> None:
+    """K-means (or sampling) over the clients' own models needs each of them at the server."""
+    with pytest.raises(ConfigError, match=r"seeds its bases from each client's own model .* set strategy.warm_fraction=0"):
+        validate_config(_cfg(privacy, "strategy.warm_fraction=0.3"))
+    validate_config(_cfg(privacy, "strategy.warm_fraction=0"))
 
 
 def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import dp_accounting
 import numpy as np
 import pytest
+from helpers import PRIVATE_FORM
 
 from common.config import ConfigError, compose_config, validate_config
 from common.methods import method, method_names
@@ -252,7 +253,7 @@ def test_a_method_that_changes_an_unshared_global_tensor_fails_the_round() -> No
 
 
 # ------------------------------------------------------------------ refusals (one line, nothing started)
-@pytest.mark.parametrize("name", [n for n in method_names() if method(n).not_private])
+@pytest.mark.parametrize("name", [n for n in method_names() if method(n).not_private or n in PRIVATE_FORM])
 def test_a_method_that_needs_each_upload_refuses_dp_at_composition(name: str) -> None:
     with pytest.raises(ConfigError, match=f"privacy.dp=central does not apply to {name}: "):
         validate_config(compose_config(overrides=[f"strategy={name}", "privacy.dp=central"]))
@@ -265,9 +266,9 @@ def test_a_method_that_needs_each_upload_refuses_dp_at_composition(name: str) ->
 
 def test_every_averaging_method_composes_with_dp() -> None:
     private = [n for n in method_names() if not method(n).not_private]
-    assert {"fedavg", "fedbn", "fedbabu", "ditto", "fedprox", "partialfed-fix"} <= set(private)
+    assert {"fedavg", "fedbn", "fedbabu", "ditto", "fedprox", "partialfed-fix", "fedbasis"} <= set(private)
     for name in private:
-        validate_config(compose_config(overrides=[f"strategy={name}", "privacy.dp=central"]))
+        validate_config(compose_config(overrides=[f"strategy={name}", *PRIVATE_FORM.get(name, []), "privacy.dp=central"]))
 
 
 def test_rounds_beyond_the_budget_are_refused_naming_the_rounds_that_fit() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
-from helpers import FakeGrid
+from helpers import PRIVATE_FORM, FakeGrid
 
 from client import app as client_app
 from client import secure_aggregation as client_secagg
@@ -314,7 +314,7 @@ def test_a_client_missing_at_setup_sits_the_round_out(tmp_path: Path, monkeypatc
 
 
 # ------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("name", [n for n in method_names() if method(n).not_private])
+@pytest.mark.parametrize("name", [n for n in method_names() if method(n).not_private or n in PRIVATE_FORM])
 def test_a_method_that_needs_each_upload_refuses_secure_aggregation(name: str) -> None:
     with pytest.raises(ConfigError, match=f"privacy.secure_aggregation=secagg\\+ does not apply to {name}: "):
         validate_config(compose_config(overrides=[f"strategy={name}", "privacy.secure_aggregation=secagg+"]))
@@ -340,7 +340,8 @@ def test_a_threshold_above_the_clients_and_a_norm_bound_are_refused() -> None:
 
 def test_every_averaging_method_composes_with_secure_aggregation() -> None:
     for name in (n for n in method_names() if not method(n).not_private):
-        validate_config(compose_config(overrides=[f"strategy={name}", "privacy.secure_aggregation=secagg+"]))
+        validate_config(compose_config(overrides=[f"strategy={name}", *PRIVATE_FORM.get(name, []),
+                                                  "privacy.secure_aggregation=secagg+"]))
 
 
 def test_flowers_strategy_start_is_refused_with_secure_aggregation_on() -> None:
