@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.run import machine
-from common.config import override_key
+from common.overrides import override_key
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,9 +9,7 @@ live across rounds, so composition happens inside ``initialize_config_dir`` each
 from __future__ import annotations
 
 import functools
-import itertools
 import json
-import shlex
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from common.errors import ConfigError
 from common.methods import ROW_KEY, method, method_options, not_private
+from common.overrides import (
+    hydra_override_parser,
+    override_key,
+    override_value,
+    override_values,
+    parse_override,
+    run_config_to_overrides,
+)
 from common.settings import (
     GROUP_KEYS,
     FinetuneSettings,
@@ -32,26 +39,10 @@ from common.settings import (
 from learning.typed import read_typed, unknown_key_message
 
 if TYPE_CHECKING:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Override
+    pass
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")
-# Flower run-config key -> Hydra key (empty values mean "keep the conf/ default").
-RUN_CONFIG_KEYS = {
-    "strategy": "strategy",
-    "dataset": "dataset",
-    "model": "model",
-    "experiment": "experiment",
-    "rounds": "rounds",
-    "seed": "seed",
-    "run-name": "run_name",
-    "results-root": "results_root",
-}
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message says which key and how to fix it."""
 
 
 def models_required(cfg: DictConfig) -> tuple[str, ...]:
@@ -73,22 +64,6 @@ def group_options(group: str) -> list[str]:
     """Valid names of a config group: the yaml files in ``conf/<group>/``, less the bases the
     presets start from (``_base.yaml``: a leading underscore marks a file that is not a choice)."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
-
-
-def run_config_to_overrides(run_config: Mapping[str, Any]) -> list[str]:
-    """Turn Flower run-config entries into Hydra override strings."""
-    overrides: list[str] = []
-    for key, hydra_key in RUN_CONFIG_KEYS.items():
-        value = run_config.get(key, "")
-        if value is None or str(value) == "":
-            continue
-        if hydra_key in GROUPS:
-            overrides.append(f"{hydra_key}={value}")
-        else:
-            overrides.append(f"{hydra_key}={value}")
-    extra = str(run_config.get("overrides", "") or "")
-    overrides.extend(shlex.split(extra))
-    return overrides
 
 
 def _check_group_choices(overrides: list[str]) -> None:
@@ -246,7 +221,7 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
     from hydra.errors import HydraException
 
     try:
-        parsed = _override_parser().parse_overrides(overrides)
+        parsed = hydra_override_parser().parse_overrides(overrides)
         base = _hydra_compose([o for o in overrides if override_key(o) in GROUPS],
                               explain=False)
     except (HydraException, ConfigError):
@@ -477,90 +452,3 @@ def run_settings(cfg: DictConfig) -> Settings:
     return settings
 
 
-# ---------------------------------------------------------------- command-line overrides
-# command-line key -> Flower run-config key (the inverse of RUN_CONFIG_KEYS)
-CLI_RUN_CONFIG_KEYS = {"strategy": "strategy", "dataset": "dataset", "model": "model",
-                   "experiment": "experiment", "rounds": "rounds", "seed": "seed",
-                   "run_name": "run-name", "results_root": "results-root"}
-
-
-# ---------------------------------------------------------------- reading one override
-@functools.lru_cache(maxsize=4096)
-def parse_override(text: str) -> Override:
-    """One command-line override read by Hydra's own parser (the one place pflower reads an
-    override's key and value: prefixes ``+``, ``++``, ``~``, quotes, lists, sweeps)."""
-    from hydra.errors import HydraException
-
-    try:
-        return _override_parser().parse_override(text)
-    except HydraException as err:
-        hint = " is not KEY=VALUE (e.g. strategy=fedbn)" if "=" not in text and not text.startswith("~") \
-            else " cannot be read"
-        raise ConfigError(f"override {text!r}{hint}: {str(err).splitlines()[0]}") from None
-
-
-@functools.cache
-def _override_parser() -> OverridesParser:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create()
-
-
-def override_key(text: str) -> str:
-    """The key (or group) an override sets, without its prefix: ``+train.lr=1`` -> ``train.lr``."""
-    return str(parse_override(text).key_or_group)
-
-
-def override_value(text: str) -> Any:
-    """An override's value as Hydra reads it (quotes removed; ``seed=1`` -> 1)."""
-    return parse_override(text).value()
-
-
-def override_values(overrides: list[str], key: str) -> list[Any]:
-    """The values the overrides give ``key``, in order (the last one wins)."""
-    return [override_value(o) for o in overrides if override_key(o) == key]
-
-
-def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Separate run-config keys (strategy=..., seed=...) from other Hydra overrides."""
-    run_cfg: dict[str, str] = {}
-    rest: list[str] = []
-    for ov in overrides:
-        override = parse_override(ov)
-        if override.get_key_element() in CLI_RUN_CONFIG_KEYS and not override.is_sweep_override():
-            run_cfg[CLI_RUN_CONFIG_KEYS[override.key_or_group]] = ov.partition("=")[2]
-        else:
-            rest.append(ov)
-    return run_cfg, rest
-
-
-def to_toml_run_config(run_cfg: dict[str, str], rest: list[str]) -> str:
-    items = dict(run_cfg)
-    if rest:
-        items["overrides"] = " ".join(shlex.quote(o) for o in rest)
-    return " ".join(f"{k}={json.dumps(str(v))}" for k, v in items.items())
-
-
-def _unexpanded_sweeps() -> tuple[Any, ...]:
-    from hydra.core.override_parser.types import ValueType
-
-    # glob(...) names config files and interval(...) asks a sampler: neither is a list of runs
-    return (ValueType.GLOB_CHOICE_SWEEP, ValueType.INTERVAL_SWEEP)
-
-
-def expand_grid(overrides: list[str]) -> list[list[str]]:
-    """Hydra's sweep syntax, expanded as its basic sweeper does: ``a=1,2 b=x`` -> [[a=1, b=x],
-    [a=2, b=x]]; ``seed=range(0,3)``; ``'x,y'`` and ``[x,y]`` are one value. A swept value is
-    written as Hydra writes it (``1e-3`` -> ``0.001``); an override that is not swept is kept
-    as given."""
-    axes = []
-    for text in overrides:
-        override = parse_override(text)
-        if not override.is_sweep_override():
-            axes.append([text])
-        elif override.is_hydra_override() or override.value_type in _unexpanded_sweeps():
-            raise ConfigError(f"override {text!r}: pflower sweeps comma lists and range(); list the values "
-                              "(e.g. strategy=fedavg,fedbn)")
-        else:
-            axes.append([f"{override.get_key_element()}={v}" for v in override.sweep_string_iterator()])
-    return [list(c) for c in itertools.product(*axes)]

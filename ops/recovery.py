@@ -26,13 +26,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from common.config import (
-    ConfigError,
-    compose_config,
-    override_key,
-    override_values,
-    split_overrides,
-)
+from common.config import ConfigError, compose_config
+from common.overrides import override_key, override_values, split_overrides
 
 # keys that may change when a run is resumed: they do not change what the rounds already
 # done computed (rounds extends the run; the others are how and how long to wait, where

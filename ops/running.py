@@ -17,14 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from common.config import (
-    ConfigError,
-    compose_config,
-    override_key,
-    run_settings,
-    split_overrides,
-    to_toml_run_config,
-)
+from common.config import ConfigError, compose_config, run_settings
+from common.overrides import override_key, split_overrides, to_toml_run_config
 from learning.data import dataset_config, num_clients
 from learning.sources import DatasetError
 from ops.options import DEFAULT_MAX_RECOVERIES, overrides_help, run_options

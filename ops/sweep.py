@@ -12,14 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import (
-    ConfigError,
-    compose_config,
-    expand_grid,
-    override_key,
-    run_settings,
-    split_overrides,
-)
+from common.config import ConfigError, compose_config, run_settings
+from common.overrides import expand_grid, override_key, split_overrides
 from ops.options import batch_options, overrides_help, run_options
 from ops.resources import core_groups, cpus_per_run, number_text, pin_to, ray_cluster, usable_cores
 from ops.running import EXIT_INTERRUPTED, EXIT_PARTIAL, RunOptions, run_configuration

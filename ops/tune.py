@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, compose_config, expand_grid, override_key, split_overrides
+from common.config import ConfigError, compose_config
+from common.overrides import expand_grid, override_key, split_overrides
 from ops.running import RunOptions
 
 

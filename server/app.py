@@ -11,7 +11,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.config import ConfigError, compose_config, run_config_to_overrides, run_settings
+from common.config import ConfigError, compose_config, run_settings
 from common.flower_compat import (
     check_flower_version,
     index_undelivered_messages,
@@ -19,6 +19,7 @@ from common.flower_compat import (
     shorten_object_pull_backoff,
 )
 from common.methods import build_method_model, load_named, method
+from common.overrides import run_config_to_overrides
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays

@@ -25,7 +25,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from common.config import override_key, run_settings
+from common.config import run_settings
+from common.overrides import override_key
 from learning.storage import atomic_write_text
 from server.tensorboard import TB_DIR
 

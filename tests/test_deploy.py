@@ -21,8 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from common.config import to_toml_run_config
 from common.flower_compat import flower_series
+from common.overrides import to_toml_run_config
 from learning.storage import read_meta
 from ops.deployment import deploy
 from ops.deployment.certs import make_node_keys, make_tls, san_of, subject_alt_names

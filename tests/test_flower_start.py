@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import split_overrides, to_toml_run_config
 from common.methods import method_names
+from common.overrides import split_overrides, to_toml_run_config
 from ops.deployment.launch import APP_DIR, flwr_run, simulation_superlink
 
 pytestmark = pytest.mark.e2e

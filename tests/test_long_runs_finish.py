@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, pflower, pflower_popen
 
-from common.config import ConfigError, compose_config, split_overrides
+from common.config import ConfigError, compose_config
+from common.overrides import split_overrides
 from ops.deployment.launch import cmdline, kill_tree, process_tree
 from ops.recovery import RESUMABLE_KEYS, death_reason, expand_resume
 from server.run_folder import (

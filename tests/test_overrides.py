@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import (
-    ConfigError,
-    compose_config,
-    expand_grid,
-    override_key,
-    override_values,
-    split_overrides,
-)
+from common.config import ConfigError, compose_config
+from common.overrides import expand_grid, override_key, override_values, split_overrides
 from ops.tune import GridAxis
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,4 +69,4 @@ def test_no_module_reads_an_override_by_hand() -> None:
     found = [f"{path.relative_to(REPO)}:{n}" for pkg in ("common", "server", "strategies", "client", "ops", "bench")
              for path in sorted((REPO / pkg).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if hand.search(line)]
-    assert found == [], "read overrides with common.config.override_key / override_values:\n" + "\n".join(found)
+    assert found == [], "read overrides with common.overrides.override_key / override_values:\n" + "\n".join(found)

@@ -374,14 +374,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from common.config import (
-        ConfigError,
-        compose_config,
-        expand_grid,
-        run_settings,
-        split_overrides,
-        to_toml_run_config,
-    )
+    from common.config import ConfigError, compose_config, run_settings
+    from common.overrides import expand_grid, split_overrides, to_toml_run_config
     from learning.data import num_clients
     from learning.data_cache import fill_cache, resolve_cache_dir
     from learning.sources import DatasetError
@@ -491,7 +485,7 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
                 args: argparse.Namespace) -> tuple[bool, str]:
     """Submit one run; when the SuperLink exits during it, start the SuperLink again on its
     database and resume the run from its checkpoint (at most ``--max-recoveries`` times)."""
-    from common.config import split_overrides, to_toml_run_config
+    from common.overrides import split_overrides, to_toml_run_config
     from ops.progress import run_progress
     from ops.recovery import expand_resume
     from server.checkpoint import checkpoint_round
