@@ -120,18 +120,6 @@ def test_private_runs_are_rows_of_their_own_with_the_epsilon_they_spent(tmp_path
         compare_runs([plain, later, *private])
 
 
-def test_privacy_md_holds_what_compare_prints_of_its_kept_runs() -> None:
-    """docs/privacy.md's accuracy-against-epsilon table is ``pflower compare`` of the runs kept
-    in docs/runs/privacy-digits-sources/, to the digit: a run removed or a number changed
-    fails here."""
-    page = (REPO / "docs/privacy.md").read_text()
-    assert "pflower compare docs/runs/privacy-digits-sources/*" in page
-    printed = page.split("<!-- compare: privacy-digits-sources -->\n")[1].split("\n<!-- /compare -->")[0]
-    runs = sorted((REPO / "docs/runs/privacy-digits-sources").iterdir())
-    assert len(runs) == 45, "3 methods x (no DP + 3 noise multipliers + SecAgg+) x 3 seeds"
-    assert compare_runs(runs) == printed
-
-
 def test_the_dp_column_names_record_level_dp_by_its_largest_client_epsilon() -> None:
     from ops.compare import privacy_text
 

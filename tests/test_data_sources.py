@@ -379,3 +379,29 @@ def test_split_fedora_builds_the_authors_clients_from_the_sources_own_sets(tmp_p
     assert set(np.unique(x45.numpy()).tolist()) <= levels and float(x45.max()) <= 1.0
     with pytest.raises(DatasetError, match="split=fedora"):
         build_federated_data({**cfg, "source": "digits", "root": ""}, seed=0)
+
+
+def test_the_styled_tree_can_hold_one_unlike_domain(tmp_path: Path) -> None:
+    """``warped`` (sheared, shrunk, shifted, salted) is the domain unlike the others that
+    docs/methods/fedora.md tests FEDORA's worst client on; its digits sit off-centre."""
+    from PIL import Image
+
+    from ops.styled_digits import make_styled_digits
+
+    root = make_styled_digits(tmp_path / "t", per_domain=20, styles=("ink", "warped"))
+    assert sorted(p.name for p in root.iterdir()) == ["ink", "warped"]
+
+    def ink_centre(domain: str) -> np.ndarray:
+        """The mean distance of each image's ink from the image centre, per image."""
+        out = []
+        for f in sorted((root / domain).rglob("*.png")):
+            ink = 1 - np.asarray(Image.open(f).convert("L"), dtype=np.float64) / 255
+            ink[ink < 0.5] = 0                          # salt pixels are white: no ink
+            ys, xs = np.nonzero(ink)
+            out.append(np.hypot(ys.mean() - 13.5, xs.mean() - 13.5))
+        return np.asarray(out)
+
+    assert len(ink_centre("warped")) == 20
+    assert ink_centre("warped").mean() > ink_centre("ink").mean() + 2    # shifted 3-5 px each way
+    with pytest.raises(ValueError, match="unknown style.*sepia.*valid: ink, neon, photo, noisy, warped"):
+        make_styled_digits(tmp_path / "u", styles=("ink", "sepia"))

@@ -1,0 +1,140 @@
+"""Every table printed from kept runs is what ``pflower compare`` prints of them, and every
+ordering a page states about such a table holds in the runs, with the margin it gives.
+
+A page marks a table it prints from the runs kept in ``docs/runs/<name>/`` with
+
+    <!-- compare: <name> -->
+    ...the output of `pflower compare docs/runs/<name>/*`, verbatim...
+    <!-- /compare -->
+
+and the orderings its sentences state about that table's rows with
+
+    <!-- orderings: <name>
+    fedbn > fedavg, own, +14.8, every seed
+    fedavg-ft > local, own, +1.2, not every seed
+    ditto ~ local, stored, +0.3
+    -->
+
+one line per claim: two row labels of the table (as compare prints them), ``>``, ``<`` or ``~``
+(level: the gap within one seed standard deviation of either row), the BN protocol the means
+are taken under (``own`` or ``stored``; a row with one protocol has the same value under
+both), the gap in points (100 x the difference of the two rows' means over seeds, one decimal)
+and, for ``>`` and ``<``, whether it holds in every seed (paired by seed). A run removed, a
+digit changed or an ordering that does not hold fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ops.compare import compare_runs, load_summary, rows_by_configuration
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+KEPT = DOCS / "runs"
+COMPARE_BLOCK = re.compile(r"<!-- compare: (\S+) -->\n(.*?)\n<!-- /compare -->", re.S)
+ORDERINGS_BLOCK = re.compile(r"<!-- orderings: (\S+)\n(.*?)\n-->", re.S)
+CLAIM = re.compile(r"(?P<a>.+?) (?P<op>[<>~]) (?P<b>.+?), (?P<protocol>own|stored), (?P<gap>[+-]\d+\.\d)"
+                   r"(?:, (?P<seeds>every seed|not every seed))?")
+# kept runs whose tables are checked by their own tests (tests/test_compare_rows.py, test_tables.py)
+CHECKED_ELSEWHERE = {"fedora-rotated-fashion-mnist", "fedora-rotated-mnist"}
+
+
+def _blocks(pattern: re.Pattern[str]) -> list[tuple[str, str, str]]:
+    """(page, name, body) of every block of ``pattern`` in docs/."""
+    return [(str(page.relative_to(REPO)), m.group(1), m.group(2))
+            for page in sorted(DOCS.rglob("*.md")) for m in pattern.finditer(page.read_text())]
+
+
+def _runs(name: str) -> list[Path]:
+    folder = KEPT / name
+    assert folder.is_dir(), f"docs/runs/{name} does not exist: keep the table's runs there"
+    return sorted(p for p in folder.iterdir() if p.is_dir())
+
+
+COMPARES = _blocks(COMPARE_BLOCK)
+ORDERINGS = _blocks(ORDERINGS_BLOCK)
+
+
+def test_every_kept_folder_has_its_table_on_a_page() -> None:
+    named = {name for _, name, _ in COMPARES}
+    folders = {p.name for p in KEPT.iterdir() if p.is_dir()}
+    assert folders - CHECKED_ELSEWHERE <= named, f"kept runs without a table: {sorted(folders - named)}"
+    assert {name for _, name, _ in ORDERINGS} <= named
+
+
+@pytest.mark.parametrize(("page", "name", "printed"), COMPARES, ids=[f"{p}:{n}" for p, n, _ in COMPARES])
+def test_the_page_prints_what_compare_gives_of_the_kept_runs(page: str, name: str, printed: str) -> None:
+    assert f"pflower compare docs/runs/{name}/*" in (REPO / page).read_text(), \
+        f"{page} does not print the command that gives its table"
+    assert compare_runs(_runs(name)) == printed, \
+        f"{page}: the table marked `compare: {name}` is not `pflower compare docs/runs/{name}/*`"
+
+
+def _mean_by_seed(members: list[dict], protocol: str) -> dict[int, float]:
+    """A row's per-seed mean accuracy under ``protocol``; a run with one protocol has it under both."""
+    return {int(r["seed"]): float(r.get("bn_protocols", {}).get(protocol, r)["accuracy_mean"]) for r in members}
+
+
+def check_claim(line: str, rows: dict[str, list[dict]]) -> None:
+    """Raise AssertionError naming what fails when ``line`` (one ordering) does not hold in ``rows``."""
+    m = CLAIM.fullmatch(line.strip())
+    assert m, f"not an ordering line: {line!r} (form: `a > b, own, +1.2, every seed`)"
+    for label in (m["a"], m["b"]):
+        assert label in rows, f"{line!r}: no row labelled {label!r} (rows: {sorted(rows)})"
+    a, b = _mean_by_seed(rows[m["a"]], m["protocol"]), _mean_by_seed(rows[m["b"]], m["protocol"])
+    gap = 100 * (np.mean(list(a.values())) - np.mean(list(b.values())))
+    assert f"{gap:+.1f}" == m["gap"], f"{line!r}: the gap is {gap:+.2f} points"
+    if m["op"] == "~":
+        spread = 100 * max(np.std(list(a.values())), np.std(list(b.values())))
+        assert abs(gap) <= spread, f"{line!r}: a gap of {gap:+.2f} is outside one seed std ({spread:.2f})"
+        assert m["seeds"] is None, f"{line!r}: a level pair states no seeds"
+        return
+    sign = 1 if m["op"] == ">" else -1
+    assert sign * gap > 0, f"{line!r}: the gap {gap:+.2f} has the other sign"
+    seeds = sorted(set(a) & set(b))
+    assert seeds == sorted(a) == sorted(b), f"{line!r}: the rows' seeds differ ({sorted(a)}, {sorted(b)})"
+    every = all(sign * (a[s] - b[s]) > 0 for s in seeds)
+    assert m["seeds"] == ("every seed" if every else "not every seed"), \
+        f"{line!r}: by seed {[round(100 * (a[s] - b[s]), 1) for s in seeds]}"
+
+
+@pytest.mark.parametrize(("page", "name", "claims"), ORDERINGS, ids=[f"{p}:{n}" for p, n, _ in ORDERINGS])
+def test_each_ordering_the_page_states_holds_in_the_kept_runs(page: str, name: str, claims: str) -> None:
+    groups, _ = rows_by_configuration([load_summary(d) for d in _runs(name)])
+    rows = {label: members for (label, _, _), members in groups.items()}
+    for line in claims.strip().splitlines():
+        check_claim(line, rows)
+
+
+def _fake_rows() -> dict[str, list[dict]]:
+    def run(seed: int, acc: float, stored: float | None = None) -> dict:
+        r: dict = {"seed": seed, "accuracy_mean": acc}
+        if stored is not None:
+            r["bn_protocols"] = {"own": {"accuracy_mean": acc}, "stored": {"accuracy_mean": stored}}
+        return r
+    return {"fedbn": [run(0, 0.90, 0.80), run(1, 0.86, 0.85), run(2, 0.88, 0.84)],
+            "fedavg": [run(0, 0.84), run(1, 0.87), run(2, 0.83)]}
+
+
+@pytest.mark.parametrize(("line", "fails"), [
+    ("fedbn > fedavg, own, +3.3, not every seed", None),
+    ("fedbn > fedavg, own, +3.3, every seed", "by seed"),          # seed 1: 0.86 < 0.87
+    ("fedbn > fedavg, own, +3.4, not every seed", "the gap is"),   # a digit changed
+    ("fedavg > fedbn, own, -3.3, not every seed", "other sign"),
+    ("fedbn ~ fedavg, stored, -1.7", None),                        # within fedavg's std (1.70)
+    ("fedbn ~ fedavg, own, +3.3", "outside one seed std"),
+    ("ditto > fedavg, own, +3.3, every seed", "no row labelled"),
+    ("fedbn beats fedavg", "not an ordering line"),
+])
+def test_the_ordering_check_fails_on_what_does_not_hold(line: str, fails: str | None) -> None:
+    """The check itself, on rows made here: it passes the true claims and names each false one."""
+    if fails is None:
+        check_claim(line, _fake_rows())
+    else:
+        with pytest.raises(AssertionError, match=fails):
+            check_claim(line, _fake_rows())
