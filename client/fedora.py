@@ -47,7 +47,13 @@ from torch.utils.data import DataLoader
 from client.baselines import proximal_to
 from client.trainer import ClientRound, ClientTrainer, LocalRound
 from learning.params import NDArrays, set_arrays
-from learning.training import DecoupledProximal, LossTerm, evaluate, make_loader
+from learning.training import (
+    DecoupledProximal,
+    LossTerm,
+    evaluate,
+    has_bn_running_stats,
+    make_loader,
+)
 from strategies.fedora_math import (
     BASIS_ARRAY,
     BASIS_RECORD,
@@ -104,6 +110,8 @@ class FEDORATrainer(ClientTrainer):
         if len(rnd.data.val) == 0:
             raise ValueError(f"client {rnd.client_id} has an empty validation split; FEDORA's "
                              "selective lambda needs one (set dataset.val_fraction > 0)")
+        if self.options.lambda_bn == "own" and has_bn_running_stats(own):
+            own, hat = self.with_own_bn_statistics(own, rnd), self.with_own_bn_statistics(hat, rnd)
         own_loss, hat_loss = self.validation_loss(rnd, own), self.validation_loss(rnd, hat)
         lam = selective_lambda(own_loss, hat_loss, self.options.eps, self.options.lambda_form)
         return min(lam, self.lambda_bound(rnd)), own_loss, hat_loss

@@ -410,10 +410,22 @@ ADDED_GROUPS: dict[str, dict[str, Any]] = {
 }
 
 
+# method -> the options it gained after runs of it were kept, at the value that gives what
+# those runs did (docs/runs/: a kept run is still the configuration its command composes today)
+ADDED_STRATEGY_KEYS: dict[str, dict[str, Any]] = {
+    "fedora": {"lambda_bn": "stored"},
+}
+
+
 def with_added_groups(config: dict[str, Any]) -> dict[str, Any]:
     """A run folder's composed configuration (plain) with the groups it predates at their off
-    setting (:data:`ADDED_GROUPS`)."""
-    return {**config, **{g: {**v, **dict(config.get(g) or {})} for g, v in ADDED_GROUPS.items()}}
+    setting (:data:`ADDED_GROUPS`) and its method's options it predates at the value it ran
+    with (:data:`ADDED_STRATEGY_KEYS`)."""
+    out = {**config, **{g: {**v, **dict(config.get(g) or {})} for g, v in ADDED_GROUPS.items()}}
+    strategy = out.get("strategy")
+    if isinstance(strategy, dict):
+        out["strategy"] = {**ADDED_STRATEGY_KEYS.get(str(strategy.get("name")), {}), **strategy}
+    return out
 
 
 def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:

@@ -56,9 +56,11 @@ class FEDORAOptions(MethodOptions):
     lambda_max: float | str | None
     basis_inputs: str
     penalty: str
+    lambda_bn: str = "stored"
 
     def __post_init__(self) -> None:
         check_choice("basis_inputs", self.basis_inputs, ("unit", "normalised"))
+        check_choice("lambda_bn", self.lambda_bn, ("stored", "own"))
         check_choice("penalty", self.penalty, ("loss", "decoupled"))
         check_option(self.lambda_max is None or self.lambda_max == "auto"
                      or (isinstance(self.lambda_max, int | float) and not isinstance(self.lambda_max, bool)

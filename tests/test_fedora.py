@@ -664,3 +664,34 @@ def test_decoupled_penalty_pulls_towards_theta_hat_outside_the_optimiser():
         _, dist[eps], start = _fit_distance("strategy.penalty=decoupled", f"strategy.eps={eps}",
                                             "train.lr=0.05", "train.momentum=0.9", "train.local_epochs=3")
     assert dist[5.0] < 0.5 * start < dist[1e-8]
+
+
+def test_lambda_bn_own_takes_both_validation_losses_with_recomputed_statistics():
+    """``strategy.lambda_bn=own``: a personal model whose stored BatchNorm statistics do not fit
+    its weights (as after a pull to theta_hat, docs/methods/fedora.md) is not judged worse than
+    theta_hat for its statistics alone: both losses are taken after recomputing them on the
+    client's train split. ``stored`` (the default) takes each model as it holds them."""
+    import copy
+
+    from learning.training import recompute_bn_statistics
+
+    stored_cfg = _cfg("model=cnn", "strategy.lambda_form=paper")
+    rnd = _round(stored_cfg)
+    hat = _model(stored_cfg, 2)
+    train_epochs(hat, rnd.data.train, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=3, batch_size=16),
+                 torch.device("cpu"), seed=0)
+    own = copy.deepcopy(hat)
+    for module in own.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.running_mean += 3.0                  # the same weights, statistics that do not fit them
+    lam, own_loss, hat_loss = FEDORATrainer(stored_cfg).selective_weight(rnd, own, hat)
+    assert own_loss > hat_loss + 0.5 and lam == pytest.approx(own_loss - hat_loss)
+
+    own_cfg = _cfg("model=cnn", "strategy.lambda_form=paper", "strategy.lambda_bn=own")
+    lam, own_loss, hat_loss = FEDORATrainer(own_cfg).selective_weight(_round(own_cfg), own, hat)
+    recomputed = recompute_bn_statistics(copy.deepcopy(hat), rnd.data.train, int(own_cfg.train.batch_size),
+                                         torch.device("cpu"))
+    assert own_loss == pytest.approx(hat_loss) == pytest.approx(_val_loss(recomputed, rnd.data.val), rel=1e-5)
+    assert lam == pytest.approx(1e-8)                   # the paper form's eps: no pull
+    with pytest.raises(ValueError, match="lambda_bn"):
+        _cfg("strategy.lambda_bn=recompute")
