@@ -19,8 +19,10 @@ one line per claim: two row labels of the table (as compare prints them), ``>``,
 (level: the gap within one seed standard deviation of either row), the BN protocol the means
 are taken under (``own`` or ``stored``; a row with one protocol has the same value under
 both), the gap in points (100 x the difference of the two rows' means over seeds, one decimal)
-and, for ``>`` and ``<``, whether it holds in every seed (paired by seed). A run removed, a
-digit changed or an ordering that does not hold fails here.
+and, for ``>`` and ``<``, whether it holds in every seed (paired by seed). A fine-tune curve
+(FedBABU's Table 5 form) is marked ``<!-- curve: <name> -->`` ... ``<!-- /curve -->`` and is the
+mean over seeds of each row's ``finetune_curve``. A run removed, a digit changed or an ordering
+that does not hold fails here.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def _runs(name: str) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir())
 
 
+CURVE_BLOCK = re.compile(r"<!-- curve: (\S+) -->\n(.*?)\n<!-- /curve -->", re.S)
 COMPARES = _blocks(COMPARE_BLOCK)
 ORDERINGS = _blocks(ORDERINGS_BLOCK)
+CURVES = _blocks(CURVE_BLOCK)
 
 
 def test_every_kept_folder_has_its_table_on_a_page() -> None:
@@ -116,6 +120,25 @@ def test_each_ordering_the_page_states_holds_in_the_kept_runs(page: str, name: s
     rows = {label: members for (label, _, _), members in groups.items()}
     for line in claims.strip().splitlines():
         check_claim(line, rows)
+
+
+def curve_table(runs: list[Path]) -> str:
+    """The fine-tune curve of each row (summary.json's ``finetune_curve``: test accuracy after
+    E fine-tune epochs), the mean over the row's seeds, one column per E."""
+    groups, _ = rows_by_configuration([load_summary(d) for d in runs])
+    epochs = sorted({int(e) for members in groups.values() for r in members for e in r.get("finetune_curve", {})})
+    lines = ["| row | seeds | " + " | ".join(f"e{e}" for e in epochs) + " |", "|" + "---|" * (len(epochs) + 2)]
+    for (label, _, _), members in sorted(groups.items()):
+        if all("finetune_curve" in r for r in members):
+            means = [np.mean([r["finetune_curve"][str(e)] for r in members]) for e in epochs]
+            lines.append(f"| {label} | {','.join(str(r['seed']) for r in members)} | "
+                         + " | ".join(f"{m:.4f}" for m in means) + " |")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize(("page", "name", "printed"), CURVES, ids=[f"{p}:{n}" for p, n, _ in CURVES])
+def test_the_fine_tune_curve_is_the_mean_of_the_kept_runs(page: str, name: str, printed: str) -> None:
+    assert curve_table(_runs(name)) == printed, f"{page}: the curve marked `curve: {name}` is not its kept runs'"
 
 
 def _fake_rows() -> dict[str, list[dict]]:
