@@ -13,7 +13,7 @@ import json
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -37,9 +37,6 @@ from common.settings import (
     TrainSettings,
 )
 from learning.typed import read_typed, unknown_key_message
-
-if TYPE_CHECKING:
-    pass
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("strategy", "dataset", "model", "experiment")

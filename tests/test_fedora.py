@@ -688,7 +688,9 @@ def test_lambda_bn_own_takes_both_validation_losses_with_recomputed_statistics()
     assert own_loss > hat_loss + 0.5 and lam == pytest.approx(own_loss - hat_loss)
 
     own_cfg = _cfg("model=cnn", "strategy.lambda_form=paper", "strategy.lambda_bn=own")
+    shifted = {k: v.clone() for k, v in own.state_dict().items()}
     lam, own_loss, hat_loss = FEDORATrainer(own_cfg).selective_weight(_round(own_cfg), own, hat)
+    assert all(torch.equal(v, own.state_dict()[k]) for k, v in shifted.items())   # recomputed on copies
     recomputed = recompute_bn_statistics(copy.deepcopy(hat), rnd.data.train, int(own_cfg.train.batch_size),
                                          torch.device("cpu"))
     assert own_loss == pytest.approx(hat_loss) == pytest.approx(_val_loss(recomputed, rnd.data.val), rel=1e-5)

@@ -1,4 +1,4 @@
-"""Command-line overrides are read in one place (common/config.py), by Hydra's own parser:
+"""Command-line overrides are read in one place (common/overrides.py), by Hydra's own parser:
 its prefixes, quotes, lists and sweep syntax mean what they mean in Hydra."""
 
 from __future__ import annotations
