@@ -85,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
     strategy = build_strategy(cfg, data)
-    trainer = FDSETrainer(cfg)
+    settings = run_settings(cfg)
+    trainer = FDSETrainer(cfg, settings)
     options = method_options(cfg.strategy)
 
     def work(cid: str, server_round: int) -> ClientRound:
-        return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+        return ClientRound(settings=settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                            input_shape=data.input_shape, device=cpu, server_round=server_round,
-                           config=strategy.train_config)
+                           message_config=dict(strategy.train_config))
 
     # 1. the forward pass
     ours_model = trainer.new_model(work("0", 1))

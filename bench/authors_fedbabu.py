@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                               "model.bn_running_stats=false", f"seed={args.seed}"])
     data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
     strategy = build_strategy(cfg, data)
-    trainer = FedBABUTrainer(cfg)
+    trainer = FedBABUTrainer(cfg, run_settings(cfg))
     their_net = CNNCifar(Namespace(num_classes=data.num_classes))
     ours_keys = list(strategy.payload_for(None))
     theirs_keys = list(their_net.state_dict())
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the forward pass
     payload = strategy.payload_for("0")
-    rnd0 = ClientRound(cfg=cfg, client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd0 = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
                        config=strategy.train_config)
     ours_model = trainer.new_model(rnd0)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the client update of three clients, on the batches pflower draws
     updates, worst = [], 0.0
     for i, cid in enumerate(data.client_ids[:3]):
-        rnd = ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+        rnd = ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                           input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
                           config=strategy.train_config)
         sent = strategy.payload_for(cid)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated", f"seed={args.seed}"])
     settings = run_settings(cfg)
     data = load_federated_data(cfg.dataset, settings.run.seed)
-    rnd = ClientRound(cfg=cfg, client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=2)
     torch.manual_seed(args.seed)
     own, hat = (build_model(cfg.model, data.input_shape, data.num_classes) for _ in range(2))
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # pflower: one round of the client, recording the batches train_epochs draws
     with recorded_training() as drawn:
-        trainer = FEDORATrainer(cfg)
+        trainer = FEDORATrainer(cfg, run_settings(cfg))
         lam_ours, own_loss, hat_loss = trainer.selective_weight(rnd, build_from(cfg, data, own_arrays),
                                                                 build_from(cfg, data, hat_arrays))
         result = trainer.fit(rnd, dict(hat_arrays), {MODEL_PREFIX + k: v for k, v in own_arrays.items()})
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max |pflower - authors| over the uploaded weights {update:.2e}")
 
     # propagation on pflower's code-form graph of all clients
-    bases = [trainer.basis(ClientRound(cfg=cfg, client_id=c, data=data.client(c), num_classes=data.num_classes,
+    bases = [trainer.basis(ClientRound(settings=run_settings(cfg), client_id=c, data=data.client(c), num_classes=data.num_classes,
                                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=1), {})
              for c in data.client_ids]
     w = subspace_similarity(bases, form="code", top_k=2)

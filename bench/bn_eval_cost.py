@@ -18,7 +18,7 @@ import torch
 
 from client.baselines import DittoTrainer
 from client.trainer import ClientRound
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -31,11 +31,11 @@ def client_call(name: str, overrides: list[str]) -> tuple[Callable[[], object], 
     """One client's evaluation under ``overrides`` (or its training round), ready to time."""
     cfg = compose_config({"strategy": "ditto"}, overrides)
     data = load_federated_data(cfg.dataset, 0)
-    rnd = ClientRound(cfg=cfg, client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=2)
     torch.manual_seed(0)
     payload = get_arrays(build_model(cfg.model, rnd.input_shape, rnd.num_classes))
-    trainer = DittoTrainer(cfg)
+    trainer = DittoTrainer(cfg, run_settings(cfg))
     state = trainer.fit(rnd, payload, {}).state
     if name == "train round":
         return (lambda: trainer.fit(rnd, payload, state)), rnd

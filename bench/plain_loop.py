@@ -42,14 +42,14 @@ def main(argv: list[str]) -> None:
     device = resolve_device(run.device)
     set_deterministic(run.deterministic)
     seed_everything(run.seed)
-    trainer = trainer_class("fedavg", cfg.strategy)(cfg)
+    trainer = trainer_class("fedavg", cfg.strategy)(cfg, settings)
     global_arrays = get_arrays(build_method_model(cfg, data.input_shape, data.num_classes))
     states: dict[str, dict] = {}
     print(json.dumps({"ready": time.time()}), flush=True)
     for r in range(1, run.rounds + 1):
         uploads, sizes = [], []
         for cid in data.client_ids:
-            rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
+            rnd = ClientRound(settings, cid, splits[cid], data.num_classes, data.input_shape, device, r,
                               {"server-round": r})
             result = trainer.fit(rnd, global_arrays, states.get(cid, {}))
             states[cid] = result.state
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         global_arrays = {**global_arrays, **weighted_mean(uploads, [float(s) for s in sizes])}
         accuracies = []
         for cid in data.client_ids:
-            rnd = ClientRound(cfg, cid, splits[cid], data.num_classes, data.input_shape, device, r,
+            rnd = ClientRound(settings, cid, splits[cid], data.num_classes, data.input_shape, device, r,
                               {"server-round": r, "final": r == run.rounds})
             accuracies.append(trainer.evaluate(rnd, global_arrays, states[cid])["accuracy"])
         print(json.dumps({"round": r, "wall": time.time(),

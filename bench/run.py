@@ -302,7 +302,7 @@ def bench_bytes(methods: list[str]) -> str:
                     return client_app.train(msg, contexts[cid])
                 return client_app.evaluate(msg, contexts[cid])
 
-            run_federation(strategy, FakeGrid(data.client_ids, handler), cfg, RunRecorder(cfg, resume=False))
+            run_federation(strategy, FakeGrid(data.client_ids, handler), run_settings(cfg), RunRecorder(cfg, run_settings(cfg), resume=False))
             comm = json.loads((Path(tmp) / name / "metrics.jsonl").read_text().splitlines()[0])["communication"]
             down = sum(comm["bytes_down"].values()) / len(comm["bytes_down"])
             up = sum(comm["bytes_up"].values()) / len(comm["bytes_up"])

@@ -15,13 +15,12 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Context, Message
-from omegaconf import DictConfig
 
 from client import secure_aggregation as secagg
 from client.identity import client_id_of, serves_several
 from client.state import ClientStateStore
 from client.trainer import ClientRound, ClientTrainer
-from common.config import compose_config, run_settings
+from common.config import ComposedRun, compose_run
 from common.methods import load_named, method
 from common.protocol import (
     ARRAYS_KEY,
@@ -35,23 +34,24 @@ from common.protocol import (
     to_record,
 )
 from common.secure_aggregation import CLIPPED_METRIC, COLLECT, MASKED_RECORD
+from common.settings import Settings
 from common.timing import note, part
 from learning.data_cache import load_client_data, resolve_cache_dir
 from learning.dpsgd import epsilon_of, record_training
 from learning.models import resolve_device, set_deterministic
 
 
-def client_config(context: Context) -> DictConfig:
-    """The run's configuration on this node: the node's ``data-root`` (if any) is where a
-    dataset read from files lies here."""
-    return compose_config(dict(context.run_config), node_root=str(context.node_config.get("data-root") or ""))
+def client_config(context: Context) -> ComposedRun:
+    """The run's configuration on this node, composed once per process: the node's
+    ``data-root`` (if any) is where a dataset read from files lies here."""
+    return compose_run(dict(context.run_config), node_root=str(context.node_config.get("data-root") or ""))
 
 
-def state_dir_of(context: Context, cfg: DictConfig, client_id: str, run_name: str) -> Path:
+def state_dir_of(context: Context, settings: Settings, client_id: str, run_name: str) -> Path:
     node_dir = context.node_config.get("state-dir")
     if node_dir:
         return Path(str(node_dir)) / run_name / client_id
-    run = run_settings(cfg).run
+    run = settings.run
     root = Path(run.state_root) if run.state_root else Path(run.results_root) / run_name / "client_state"
     return root / client_id
 
@@ -91,22 +91,22 @@ def check_payload(payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return payload
 
 
-def _addressed(msg: Message, context: Context) -> tuple[DictConfig, dict[str, Any], str, Path]:
+def _addressed(msg: Message, context: Context) -> tuple[ComposedRun, dict[str, Any], str, Path]:
     """What every message needs first: the instruction checked, the run's configuration on this
     node, the message's config, the client it is for (a simulated node may serve several,
     client/identity.py) and that client's state folder."""
     check_instruction(msg)
-    cfg = client_config(context)
+    composed = client_config(context)
     server_cfg = config_dict(msg.content.config_records.get(CONFIG_KEY))
     client_id = client_id_of(context, server_cfg)
-    run_name = str(server_cfg.get("run-name", run_settings(cfg).run.run_name))
-    return cfg, server_cfg, client_id, state_dir_of(context, cfg, client_id, run_name)
+    run_name = str(server_cfg.get("run-name", composed.settings.run.run_name))
+    return composed, server_cfg, client_id, state_dir_of(context, composed.settings, client_id, run_name)
 
 
 def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStateStore]:
     with part("config"):
-        cfg, server_cfg, client_id, state_dir = _addressed(msg, context)
-        settings = run_settings(cfg)
+        composed, server_cfg, client_id, state_dir = _addressed(msg, context)
+        cfg, settings = composed.cfg, composed.settings
         run = settings.run
     with part("data"):
         # only this client's split, from the on-disk cache after the first process built it
@@ -114,7 +114,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     with part("config"):
         set_deterministic(run.deterministic)
         rnd = ClientRound(
-            cfg=cfg, client_id=client_id, data=split, num_classes=info.num_classes,
+            settings=settings, client_id=client_id, data=split, num_classes=info.num_classes,
             input_shape=info.input_shape, device=resolve_device(run.device),
             server_round=int(server_cfg.get("server-round", 0)), message_config=server_cfg,
         )
@@ -125,7 +125,7 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
         store = ClientStateStore(state_dir,
                                  None if serves_several(context.node_config, len(info.client_ids)) else context.state,
                                  checkpoint_every=run.checkpoint_every)
-        trainer = trainer_for(cfg, settings.strategy)
+        trainer = trainer_for(composed)
     return trainer, rnd, store
 
 
@@ -135,21 +135,20 @@ def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[C
     return cls
 
 
-# A trainer holds its configuration, settings and checked options, nothing of a client, and
-# compose_config returns one object per run configuration: a process makes one trainer per
-# configuration, not one per message. Each entry keeps its configuration alive, so its id is
-# never another configuration's.
-_TRAINERS: dict[int, tuple[DictConfig, Any]] = {}
+# A trainer holds its configuration, settings and checked options, nothing of a client: a
+# process makes one trainer per run configuration (its composition's key), not one per message.
+_TRAINERS: dict[str, ClientTrainer] = {}
 
 
-def trainer_for(cfg: DictConfig, strategy: str) -> Any:
-    """This process' trainer of the composed configuration ``cfg`` (made on first use)."""
-    kept = _TRAINERS.get(id(cfg))
-    if kept is None or kept[0] is not cfg:
-        if len(_TRAINERS) >= 16:    # as many as compose_config keeps
+def trainer_for(composed: ComposedRun) -> ClientTrainer:
+    """This process' trainer of the composed run configuration (made on first use)."""
+    trainer = _TRAINERS.get(composed.key)
+    if trainer is None:
+        if len(_TRAINERS) >= 16:    # as many as compose_run keeps
             _TRAINERS.clear()
-        kept = _TRAINERS[id(cfg)] = (cfg, trainer_class(strategy, cfg.strategy)(cfg))
-    return kept[1]
+        cls = trainer_class(composed.settings.strategy, composed.cfg.strategy)
+        trainer = _TRAINERS[composed.key] = cls(composed.cfg, composed.settings)
+    return trainer
 
 
 def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:
@@ -205,7 +204,7 @@ def train(msg: Message, context: Context) -> Message:
         upload, metrics = result.upload, result.metrics
         extra = {k: to_record(v) for k, v in result.extra.items()}
         if secrets is not None:     # the shared tensors leave only masked
-            settings = run_settings(rnd.cfg)
+            settings = rnd.settings
             upload, masked, clipped = secagg.mask_upload(secrets, rnd.message_config, sent, upload,
                                                          result.num_examples, settings.run.seed, rnd.client_id,
                                                          settings.privacy.noise_seed)
@@ -220,7 +219,7 @@ def train(msg: Message, context: Context) -> Message:
 def _record_dp_epsilon(folder: Path, rnd: ClientRound, attempt: str, metrics: dict[str, float]) -> float:
     """This client's epsilon of record-level DP-SGD over every training it has run for the run
     (its ledger in the state folder: a redone round counts again), at ``privacy.delta``."""
-    privacy = run_settings(rnd.cfg).privacy
+    privacy = rnd.settings.privacy
     history = record_training(folder, {"round": rnd.server_round, "attempt": attempt,
                                        "noise_multiplier": privacy.record_noise_multiplier,
                                        "sample_rate": metrics["dpsgd_sample_rate"],

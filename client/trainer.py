@@ -24,7 +24,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from common.config import run_settings
 from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from common.settings import BN_OWN, Settings
@@ -51,7 +50,7 @@ MODEL_PREFIX = "model/"
 class ClientRound:
     """Everything a trainer needs for one call."""
 
-    cfg: DictConfig
+    settings: Settings       # the run's, typed (composition reads them once)
     client_id: str
     data: ClientSplit
     num_classes: int
@@ -59,11 +58,6 @@ class ClientRound:
     device: torch.device
     server_round: int
     message_config: Mapping[str, Any] = field(default_factory=dict)   # the server's config record for this call
-
-    @property
-    def settings(self) -> Settings:
-        """The run's typed settings (read once, when the config was composed)."""
-        return run_settings(self.cfg)
 
     @property
     def seed(self) -> int:
@@ -123,9 +117,11 @@ class ClientTrainer:
     finetunes: ClassVar[bool] = False      # personalised accuracy = after fine-tuning
     has_global_model: ClassVar[bool] = True
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, settings: Settings) -> None:
+        """``cfg`` is the composed configuration (its ``model`` and ``strategy`` groups build the
+        model and the options), ``settings`` its typed settings, read once at composition."""
         self.cfg = cfg
-        self.settings = run_settings(cfg)
+        self.settings = settings
         self.options = method_options(cfg.strategy)
 
     # ---------------------------------------------------------------- model pieces

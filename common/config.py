@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +80,24 @@ def _check_group_choices(overrides: list[str]) -> None:
                 )
 
 
-def compose_config(run_config: Mapping[str, Any] | None = None,
-                   overrides: list[str] | None = None, node_root: str = "") -> DictConfig:
-    """Compose ``conf/config.yaml`` with run-config entries and extra Hydra overrides.
+@dataclass(frozen=True)
+class ComposedRun:
+    """One composed run configuration and its typed settings, read once, together: what the two
+    apps take from composition and hand down (the config's ``dataset``, ``model`` and
+    ``strategy`` groups to their typed readers, ``settings`` to everything else).
+
+    ``key`` names the composition (its overrides and node root): a process keeps what it builds
+    for a run configuration (a client's trainer) under it."""
+
+    cfg: DictConfig
+    settings: Settings
+    key: str
+
+
+def compose_run(run_config: Mapping[str, Any] | None = None,
+                overrides: list[str] | None = None, node_root: str = "") -> ComposedRun:
+    """Compose ``conf/config.yaml`` with run-config entries and extra Hydra overrides, and read
+    its settings (:func:`run_settings`) once.
 
     ``node_root`` is a SuperNode's own data folder (``--node-config data-root=...``): it is the
     ``dataset.root`` of a dataset read from files, and not used by one that comes with the
@@ -91,8 +106,14 @@ def compose_config(run_config: Mapping[str, Any] | None = None,
     return _compose_cached(json.dumps(all_overrides), node_root)
 
 
+def compose_config(run_config: Mapping[str, Any] | None = None,
+                   overrides: list[str] | None = None, node_root: str = "") -> DictConfig:
+    """The composed configuration alone (:func:`compose_run`), for a command that reads its groups."""
+    return compose_run(run_config, overrides, node_root).cfg
+
+
 @functools.lru_cache(maxsize=16)
-def _compose_cached(overrides_json: str, node_root: str = "") -> DictConfig:
+def _compose_cached(overrides_json: str, node_root: str = "") -> ComposedRun:
     overrides = json.loads(overrides_json)
     _check_group_choices(overrides)
     # the group choices alone say which strategy runs and what the experiment adds for it; the
@@ -124,8 +145,8 @@ def _compose_cached(overrides_json: str, node_root: str = "") -> DictConfig:
     if not cfg.run_name:
         cfg.run_name = default_run_name(cfg, overrides)
     OmegaConf.set_readonly(cfg, True)
-    run_settings(cfg)  # read once, as the config now stays (resume and run_name set above)
-    return cfg
+    # read once, as the config now stays (resume and run_name set above)
+    return ComposedRun(cfg, run_settings(cfg), json.dumps([overrides_json, node_root]))
 
 
 # overrides that never change what a run computes (or are already in the name)
@@ -434,20 +455,11 @@ def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
                                   ("personalize", PersonalizeSettings), ("privacy", PrivacySettings))}}
 
 
-# id(cfg) -> its settings, for read-only (composed) configs while they live
-_SETTINGS: dict[int, Settings] = {}
-
-
 def run_settings(cfg: DictConfig) -> Settings:
-    """The typed settings of a composed config (:class:`common.settings.Settings`).
-
-    A composed config is read-only, so its settings are read once, when it is composed, and
-    looked up after; a config that can still change (a run folder's ``config.yaml`` loaded
-    as it is, one a test builds) is read each time. A key missing or out of range raises
+    """The typed settings of a composed config (:class:`common.settings.Settings`), read from it
+    now: composition reads them once (:class:`ComposedRun`), and a command that loads a run
+    folder's ``config.yaml`` reads them here. A key missing or out of range raises
     :class:`ConfigError` naming it."""
-    key = id(cfg)
-    if key in _SETTINGS:
-        return _SETTINGS[key]
     try:
         typed = {name: read_typed(*args) for name, args in _typed_groups(cfg).items()}
     except ValueError as err:
@@ -455,9 +467,6 @@ def run_settings(cfg: DictConfig) -> Settings:
     settings = Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
                         personalize=typed["personalize"], privacy=typed["privacy"], strategy=str(cfg.strategy.name),
                         dataset=str(cfg.dataset.name), model=str(cfg.model.name))
-    if OmegaConf.is_readonly(cfg):
-        _SETTINGS[key] = settings
-        weakref.finalize(cfg, _SETTINGS.pop, key, None)
     return settings
 
 

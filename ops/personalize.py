@@ -78,7 +78,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no new clients; run with "
                          "dataset.new_clients_per_domain >= 1")
-    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg)
+    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg, settings)
     device = resolve_device(settings.run.device)
     opt = protocol.optim(settings.train, lrs[0])
     results: dict[str, Any] = {}
@@ -88,7 +88,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
           f"({len(trainer.new_client_modes())} modes x {len(sizes)} sizes x {len(lrs)} lrs a client)", flush=True)
     with PhaseProgress("personalising new clients", fits) as progress:
         for cid in chosen:
-            results[cid] = personalize_client(cid, data, trainer, cfg, payload, sizes, lrs, epochs, opt, device,
+            results[cid] = personalize_client(cid, data, trainer, payload, sizes, lrs, epochs, opt, device,
                                               last_round, progress)
     table = summarise(results)
     out = {"settings": {"epochs": epochs, "lrs": lrs, "sizes": sizes, "batch_size": opt.batch_size,
@@ -102,7 +102,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
     return out
 
 
-def personalize_client(cid: str, data: Any, trainer: Any, cfg: DictConfig, payload: Any,
+def personalize_client(cid: str, data: Any, trainer: Any, payload: Any,
                        sizes: Mapping[str, float], lrs: list[float], epochs: int, opt: OptimConfig,
                        device: Any, last_round: int, progress: PhaseProgress) -> dict[str, Any]:
     """One new client's fits: each of the method's modes, each train-split size, each lr."""
@@ -110,9 +110,9 @@ def personalize_client(cid: str, data: Any, trainer: Any, cfg: DictConfig, paylo
     per_mode: dict[str, Any] = {}
     for mode in trainer.new_client_modes():
         for size, share in sizes.items():
-            part = subset_train(split, float(share), run_settings(cfg).run.seed)
+            part = subset_train(split, float(share), trainer.settings.run.seed)
             for lr in lrs:
-                rnd = ClientRound(cfg=cfg, client_id=cid, data=part, num_classes=data.num_classes,
+                rnd = ClientRound(settings=trainer.settings, client_id=cid, data=part, num_classes=data.num_classes,
                                   input_shape=data.input_shape, device=device, server_round=last_round + 1)
                 model, trainable = trainer.new_client_model(rnd, payload, mode)
                 curve = personalize_curve(model, rnd, trainable, dataclasses.replace(opt, lr=lr), epochs,
@@ -133,7 +133,7 @@ def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None
     cfg = load_run_config(run)
     last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
     typed = run_settings(cfg)
-    trainer = trainer_class(typed.strategy, cfg.strategy)(cfg)
+    trainer = trainer_class(typed.strategy, cfg.strategy)(cfg, typed)
     data = load_federated_data(cfg.dataset, typed.run.seed)
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no held-out clients; run with "
@@ -142,7 +142,7 @@ def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None
     device = resolve_device(typed.run.device)
     results: dict[str, dict[str, float]] = {}
     for cid in clients or sorted(data.new_clients, key=client_sort_key):
-        rnd = ClientRound(cfg=cfg, client_id=cid, data=data.new_clients[cid], num_classes=data.num_classes,
+        rnd = ClientRound(settings=typed, client_id=cid, data=data.new_clients[cid], num_classes=data.num_classes,
                           input_shape=data.input_shape, device=device, server_round=last_round + 1)
         res: dict[str, Any] = trainer.adapt_new_client(rnd, groups, settings)
         res["domain"] = data.new_clients[cid].domain

@@ -85,7 +85,7 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
     cfg = compose_config(run_cfg, rest)
     run = run_settings(cfg).run
-    if finished_summary(run.run_dir, cfg) is not None:
+    if finished_summary(run.run_dir, run) is not None:
         raise RunFinished(run.run_dir)
     n = num_clients(cfg.dataset)
     dataset = dataset_config(cfg.dataset)
@@ -438,12 +438,13 @@ def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], 
     from server.checkpoint import CheckpointError, check_checkpoint
     from server.loop import checkpoint_identity
 
-    run = run_settings(cfg).run
+    settings = run_settings(cfg)
+    run = settings.run
     run_dir = Path(run.resume)
     if not run_dir.is_dir():
         raise ConfigError(f"resume={run_dir} is not a run folder; give the path of an earlier run")
     try:
-        last = check_checkpoint(run_dir, checkpoint_identity(cfg, num_clients(cfg.dataset)), run.rounds)
+        last = check_checkpoint(run_dir, checkpoint_identity(settings, num_clients(cfg.dataset)), run.rounds)
     except CheckpointError as err:
         raise ConfigError(f"cannot resume: {err}") from err
     if not quiet:

@@ -27,8 +27,9 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
     run_cfg, rest = split_overrides(combo)
     root = Path(run_cfg.get("results-root", "results")).resolve()
     cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
-    folder = root / run_settings(cfg).run.run_name
-    return folder, finished_summary(folder, cfg) is not None
+    run = run_settings(cfg).run
+    folder = root / run.run_name
+    return folder, finished_summary(folder, run) is not None
 
 
 def continue_unfinished(combo: list[str], folder: Path, who: str = "sweep") -> list[str]:

@@ -11,7 +11,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_run, run_settings
 from common.flower_compat import (
     check_flower_version,
     index_undelivered_messages,
@@ -20,6 +20,7 @@ from common.flower_compat import (
 )
 from common.methods import build_method_model, load_named, method
 from common.overrides import run_config_to_overrides
+from common.settings import RunKeys
 from learning.data import FederatedData
 from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
 from learning.params import get_arrays
@@ -27,7 +28,7 @@ from learning.sources import DatasetError
 from learning.storage import atomic_write_text
 from server.loop import run_federation
 from server.results import RunRecorder
-from server.run_folder import RunFolderError, finished_summary, run_config_hint, run_dir_of
+from server.run_folder import RunFolderError, finished_summary, run_config_hint
 from strategies.base import PersonalizedStrategy, RunSettings
 
 app = ServerApp()
@@ -73,12 +74,12 @@ def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object
     return {cid: {"num_train": c.num_train, "domain": c.domain} for cid, c in data.clients.items()}
 
 
-def say_finished(cfg: DictConfig) -> bool:
+def say_finished(run: RunKeys) -> bool:
     """The reuse rule of ``pflower run`` for a run submitted with ``flwr run``: a folder that
     holds this configuration's finished run is reported (one line, in ``--run-config``
     syntax) and nothing is run; True then."""
-    run_dir = run_dir_of(cfg)
-    s = finished_summary(run_dir, cfg)
+    run_dir = run.run_dir
+    s = finished_summary(run_dir, run)
     if s is None:
         return False
     result = (f": accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f}"
@@ -95,14 +96,15 @@ def main(grid: Grid, context: Context) -> None:
     shorten_object_pull_backoff()   # replies' arrays: see common/flower_compat.py
     index_undelivered_messages()    # the simulation's message lookup, linear in the clients (item 7)
     log_refusals_as_one_line(RunRefused, ConfigError, DatasetError)
-    cfg = compose_config(dict(context.run_config))
-    run = run_settings(cfg).run
-    if not run.resume and say_finished(cfg):
+    composed = compose_run(dict(context.run_config))
+    cfg, settings = composed.cfg, composed.settings
+    run = settings.run
+    if not run.resume and say_finished(run):
         return
     # the summary from the data cache (no split is loaded on the server); built if not cached
     data = load_data_summary(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
     try:
-        recorder = RunRecorder(cfg, resume=bool(run.resume),
+        recorder = RunRecorder(cfg, settings, resume=bool(run.resume),
                                overrides=run_config_to_overrides(dict(context.run_config)))
     except RunFolderError as err:   # `pflower run` refuses this before Flower starts; `flwr run .` here
         raise RunRefused(f"pflower: {run_config_hint(err) if err.run_dir else err}") from None
@@ -110,7 +112,7 @@ def main(grid: Grid, context: Context) -> None:
         cfg.strategy.name, cfg.dataset.name, len(data.clients), cfg.model.name, cfg.rounds, recorder.dir)
     try:
         strategy = build_strategy(cfg, data)
-        run_federation(strategy, grid, cfg, recorder)
+        run_federation(strategy, grid, settings, recorder)
         (recorder.dir / "FAILED").unlink(missing_ok=True)
         extras = strategy.summary_extras()
         if strategy.privacy is not None:

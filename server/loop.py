@@ -23,13 +23,11 @@ from typing import Any
 from flwr.app import Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from common.bundles import send_and_receive
-from common.config import run_settings
 from common.flower_compat import is_deployment_grid, simulation_worker_lost
 from common.protocol import EVALUATE_ROUND
-from common.settings import RunKeys
+from common.settings import RunKeys, Settings
 from common.timing import note, part, timed, timing_folder
 from server.checkpoint import (
     CheckpointError,
@@ -44,9 +42,8 @@ from server.summary import cpu_capability
 from strategies.base import PersonalizedStrategy, TrainRound
 
 
-def checkpoint_identity(cfg: DictConfig, num_clients: int | None = None) -> dict[str, Any]:
+def checkpoint_identity(settings: Settings, num_clients: int | None = None) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed by this configuration."""
-    settings = run_settings(cfg)
     ident: dict[str, Any] = {"strategy": settings.strategy, "model": settings.model,
                              "dataset": settings.dataset, "seed": settings.run.seed}
     if num_clients is not None:
@@ -74,13 +71,14 @@ def stop_if_worker_lost(grid: Grid, replies: list[Message], server_round: int) -
                 "resume the run from its checkpoint (pflower run does it by itself)")
 
 
-def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
+def run_federation(strategy: PersonalizedStrategy, grid: Grid, settings: Settings,
                    recorder: RunRecorder) -> int:
-    """Run rounds ``start..rounds``; returns the last completed round."""
+    """Run rounds ``start..rounds`` of the composed run's ``settings``; returns the last
+    completed round."""
     start = 1
-    run = run_settings(cfg).run
+    run = settings.run
     rounds = run.rounds
-    identity = checkpoint_identity(cfg, len(strategy.client_ids))
+    identity = checkpoint_identity(settings, len(strategy.client_ids))
     if run.resume:
         last, groups, meta = load_checkpoint(recorder.dir, identity)
         if last > rounds:
@@ -104,19 +102,18 @@ def run_federation(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig,
         # this process (a test's fake grid) adds nothing to a server line
         with timed("round", role="server") if timing_folder() is not None else nullcontext():
             note(server_round=server_round)
-            latest = _one_round(strategy, grid, cfg, recorder, server_round, rounds, base_config, identity,
+            latest = _one_round(strategy, grid, run, recorder, server_round, rounds, base_config, identity,
                                 fused, latest)
     return rounds
 
 
-def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, recorder: RunRecorder,
+def _one_round(strategy: PersonalizedStrategy, grid: Grid, run: RunKeys, recorder: RunRecorder,
                server_round: int, rounds: int, base_config: dict[str, Any], identity: dict[str, Any],
                fused: FusedEvaluation, latest: tuple[int, dict[str, Any]] | None
                ) -> tuple[int, dict[str, Any]] | None:
     """One round: train (carrying the previous round's evaluation), aggregate, evaluate where
     due, record, checkpoint. Returns the last evaluation known, as ``latest``."""
     t0 = time.monotonic()
-    run = run_settings(cfg).run
     with part("configure"):
         # each reply is validated as it arrives, and folded into the mean at once when the
         # round's replies would not fit side by side (strategy.streams_round)
@@ -132,7 +129,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     pending = fused.take()
     if pending is not None:  # before aggregating: the stragglers' evaluate messages need the old model
         with part("evaluate"):
-            carried = _evaluate(strategy, grid, cfg, base_config, pending, replies, train)
+            carried = _evaluate(strategy, grid, run, base_config, pending, replies, train)
         recorder.attach_evaluation(pending, carried)
         latest = (pending, carried["evaluate"]) if carried.get("evaluate") else latest
     with part("aggregate"):
@@ -148,7 +145,7 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, reco
     }
     if _is_eval_round(server_round, run) and not fused.defer(server_round):
         with part("evaluate"):
-            record.update(_evaluate(strategy, grid, cfg, base_config, server_round))
+            record.update(_evaluate(strategy, grid, run, base_config, server_round))
     with part("record"):
         record.update(result.notes)
         recorder.log_round(record)
@@ -216,13 +213,12 @@ def _is_eval_round(server_round: int, run: RunKeys) -> bool:
     return server_round % run.eval_every == 0 or server_round == run.rounds
 
 
-def _evaluate(strategy: PersonalizedStrategy, grid: Grid, cfg: DictConfig, base_config: dict[str, Any],
+def _evaluate(strategy: PersonalizedStrategy, grid: Grid, run: RunKeys, base_config: dict[str, Any],
               server_round: int, train_replies: list[Message] | None = None,
               train: TrainRound | None = None) -> dict[str, Any]:
     """Round ``server_round``'s evaluation of every connected client: the evaluations that came with
     ``train_replies`` (``eval_in_train``) plus evaluate messages to every other client (not
     sampled, failed, or all of them when there are no such replies)."""
-    run = run_settings(cfg).run
     evaluate = strategy.begin_evaluate(server_round, {**base_config, "final": server_round == run.rounds}, grid,
                                        carried=train_replies or (), train=train)
     replies = send_and_receive(grid, evaluate.messages, timeout=run.round_timeout) if evaluate.messages else []

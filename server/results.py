@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import run_settings
+from common.settings import Settings
 from learning.storage import append_text, atomic_write_text
 from server.plots import plot_run
 from server.run_folder import (
@@ -23,7 +23,6 @@ from server.run_folder import (
     existing_run_files,
     read_recoveries,
     read_rounds,
-    run_dir_of,
     save_overrides,
 )
 from server.summary import build_summary, machine_description
@@ -33,11 +32,14 @@ from server.tensorboard import TensorBoardLog
 class RunRecorder:
     """Writes one run's folder as the run goes (holding its lock until :meth:`close`)."""
 
-    def __init__(self, cfg: DictConfig, resume: bool = False, overrides: list[str] | None = None) -> None:
-        self.cfg = cfg
-        self.dir = run_dir_of(cfg)
+    def __init__(self, cfg: DictConfig, settings: Settings, resume: bool = False,
+                 overrides: list[str] | None = None) -> None:
+        """``cfg`` is written to the folder as the run's ``config.yaml``; ``settings`` are its
+        typed settings (composition reads them once)."""
+        self.cfg, self.settings = cfg, settings
+        run = settings.run
+        self.dir = run.run_dir
         self.lock = RunFolderLock(self.dir).acquire()
-        run = run_settings(cfg).run
         overwrite = run.overwrite
         try:
             check_run_folder(self.dir, resume, overwrite)
@@ -75,7 +77,7 @@ class RunRecorder:
     def _events(self, first_round: int) -> TensorBoardLog | None:
         """The run's TensorBoard log (``tensorboard=true``); events a cut-short attempt wrote
         for ``first_round`` and after are dropped (a resume redoes those rounds)."""
-        if self.tensorboard is None and run_settings(self.cfg).run.tensorboard:
+        if self.tensorboard is None and self.settings.run.tensorboard:
             self.tensorboard = TensorBoardLog(self.dir, purge_from=first_round)
         return self.tensorboard
 
@@ -114,9 +116,9 @@ class RunRecorder:
 
     def finish(self, client_info: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
                status: str = "completed") -> dict[str, Any]:
-        summary = build_summary(self.cfg, self.rounds, client_info, status)
+        summary = build_summary(self.settings, self.rounds, client_info, status)
         summary.update(dict(extra or {}))
-        summary["machine"] = machine_description(run_settings(self.cfg).run.device)
+        summary["machine"] = machine_description(self.settings.run.device)
         recoveries = read_recoveries(self.dir)
         summary["recoveries"] = len(recoveries)
         if recoveries:

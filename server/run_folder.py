@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from common.config import run_settings
 from common.overrides import override_key
+from common.settings import RunKeys
 from learning.storage import atomic_write_text
 from server.tensorboard import TB_DIR
 
@@ -47,10 +45,6 @@ LOCK_FILE = ".lock"
 # files that make a folder a run's results (pflower.pid and the lock do not)
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, "FAILED", "checkpoint", "client_state",
              OVERRIDES_FILE, RECOVERIES_FILE, "failures", TB_DIR)
-
-
-def run_dir_of(cfg: DictConfig) -> Path:
-    return run_settings(cfg).run.run_dir
 
 
 class RunFolderError(RuntimeError):
@@ -89,12 +83,11 @@ def run_config_hint(err: RunFolderError) -> str:
             f"\"overrides='resume={run_dir}'\", or replace it with --run-config \"overrides='overwrite=true'\"")
 
 
-def finished_summary(run_dir: Path, cfg: DictConfig) -> dict[str, Any] | None:
-    """The summary of the finished run of ``cfg`` in ``run_dir`` (all its rounds, not marked
+def finished_summary(run_dir: Path, run: RunKeys) -> dict[str, Any] | None:
+    """The summary of the finished run of these run keys in ``run_dir`` (all its rounds, not marked
     FAILED), or None. ``overwrite=true`` never finds one: it runs again. ``pflower run``,
     ``sweep`` and the ServerApp under ``flwr run`` reuse such a run instead of refusing it."""
     summary = run_dir / SUMMARY_FILE
-    run = run_settings(cfg).run
     if run.overwrite or not summary.exists() or (run_dir / "FAILED").exists():
         return None
     try:

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
 
-from common.config import run_settings
 from common.protocol import client_sort_key
-from common.settings import BN_PROTOCOLS
+from common.settings import BN_PROTOCOLS, RunKeys, Settings
 
 
 def evaluated_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -21,15 +19,14 @@ def evaluated_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rounds if r.get("evaluate")]
 
 
-def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
+def build_summary(settings: Settings, rounds: list[dict[str, Any]],
                   client_info: Mapping[str, Mapping[str, Any]], status: str) -> dict[str, Any]:
     """Final (last evaluated round) and best-by-validation personalised accuracy."""
     evals = evaluated_rounds(rounds)
     if not evals:
         raise RuntimeError("no evaluation round completed; nothing to summarise")
     last = evals[-1]
-    settings = run_settings(cfg)
-    by = best_round_metric(cfg)
+    by = best_round_metric(settings.run)
     best = max(best_round_candidates(evals), key=lambda r: r["evaluate"].get(by, -1.0))
     per_client = last["clients"]
     summary: dict[str, Any] = {
@@ -73,7 +70,7 @@ def build_summary(cfg: DictConfig, rounds: list[dict[str, Any]],
             entry["domain"] = client_info[cid]["domain"]
         summary["clients"][cid] = entry
     summary.update(pooled_accuracy(per_client))
-    summary.update(bn_protocol_summary(cfg, evals))
+    summary.update(bn_protocol_summary(settings.run, evals))
     summary.update(client_coverage(rounds, last, client_info))
     if summary["clients_missing"]:
         summary["status"] = f"{status}-partial" if status != "completed" else "partial"
@@ -108,7 +105,7 @@ def bn_label(summary: Mapping[str, Any]) -> str:
     return str(summary.get("bn_statistics", BN_AS_HELD)).split(" (")[0]
 
 
-def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[str, Any]:
+def bn_protocol_summary(run: RunKeys, evals: list[dict[str, Any]]) -> dict[str, Any]:
     """Which BN statistics the headline accuracy was tested with (``bn_statistics``: ``own``,
     recomputed on each client's train split, or ``stored``), and every protocol the run
     measured (``bn_protocols``): accuracy at the last round and at the best round, each
@@ -116,7 +113,7 @@ def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[st
     measured = [p for p in BN_PROTOCOLS if f"{p}_bn_accuracy_mean" in evals[-1]["evaluate"]]
     if not measured:
         return {"bn_statistics": BN_AS_HELD}
-    by = best_round_metric(cfg)
+    by = best_round_metric(run)
     protocols: dict[str, dict[str, Any]] = {}
     for protocol in measured:
         key = f"{protocol}_bn_"
@@ -132,15 +129,15 @@ def bn_protocol_summary(cfg: DictConfig, evals: list[dict[str, Any]]) -> dict[st
             "clients": {cid: m[f"{key}accuracy"] for cid, m in last.get("clients", {}).items()
                         if f"{key}accuracy" in m},
         }
-    return {"bn_statistics": run_settings(cfg).run.bn_protocols[0],
+    return {"bn_statistics": run.bn_protocols[0],
             "bn_protocols": protocols}
 
 
-def best_round_metric(cfg: DictConfig) -> str:
+def best_round_metric(run: RunKeys) -> str:
     """The evaluation metric the best round maximises: ``val_accuracy_mean`` (mean over
     clients, the default) or ``val_accuracy_weighted`` (weighted by each client's validation
     size, as flgo-based code such as FDSE's selects; ``best_round_by: weighted``)."""
-    return "val_accuracy_weighted" if run_settings(cfg).run.best_round_by == "weighted" else "val_accuracy_mean"
+    return "val_accuracy_weighted" if run.best_round_by == "weighted" else "val_accuracy_mean"
 
 
 def best_round_candidates(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from client.fedbasis import FedBasisTrainer
 from client.fedora import FEDORATrainer
 from client.handlers import trainer_class
 from client.trainer import ClientRound, ClientTrainer
-from common.config import ConfigError, compose_config
+from common.config import ConfigError, compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
@@ -94,7 +94,7 @@ def test_recompute_equals_the_per_batch_average_and_leaves_the_weights() -> None
 
 def _round(cfg, cid: str = "0") -> ClientRound:
     data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=CPU, server_round=2)
 
 
@@ -105,7 +105,7 @@ def test_a_ditto_client_evaluates_its_personal_model_with_the_chosen_statistics(
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    trainer = DittoTrainer(cfg)
+    trainer = DittoTrainer(cfg, run_settings(cfg))
     state = trainer.fit(rnd, payload, {}).state
     bad = {k: (np.full_like(v, 5.0) if k.endswith("running_mean") else v) for k, v in state.items()}
     before = {k: v.copy() for k, v in bad.items()}
@@ -137,7 +137,7 @@ def test_a_fedbasis_client_is_evaluated_as_its_combined_network() -> None:
                                                     "strategy.num_bases=2", "strategy.coeff_epochs=1",
                                                     "strategy.basis_epochs=1"])
     rnd = _round(cfg)
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     torch.manual_seed(0)
     payload = {k: v for k, v in get_arrays(trainer.new_model(rnd)).items() if k != "coeff_logits"}
     state = trainer.fit(rnd, payload, {}).state
@@ -164,7 +164,7 @@ def test_by_default_a_fedora_client_holding_another_clients_statistics_is_tested
     assert rnd.data.domain != other.data.domain
     torch.manual_seed(0)
     payload = get_arrays(build_model(cfg.model, rnd.input_shape, rnd.num_classes))
-    trainer = FEDORATrainer(cfg)
+    trainer = FEDORATrainer(cfg, run_settings(cfg))
     mine, theirs = trainer.fit(rnd, payload, {}).state, trainer.fit(other, payload, {}).state
     state = {k: (theirs[k] if "running_" in k else v) for k, v in mine.items()}   # its weights, their statistics
     out = trainer.evaluate(rnd, payload, state)
@@ -190,7 +190,7 @@ def test_the_global_model_of_fedavg_is_tested_as_the_server_holds_it() -> None:
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    out = ClientTrainer(cfg).evaluate(rnd, payload, {})
+    out = ClientTrainer(cfg, run_settings(cfg)).evaluate(rnd, payload, {})
     assert out["accuracy"] == evaluate(model, rnd.data.test, CPU, class_weights=rnd.data.class_weights)["accuracy"]
     assert not any(k.startswith(("own_bn_", "stored_bn_")) for k in out)
 
@@ -208,7 +208,7 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    trainer = trainer_class(strategy, cfg.strategy)(cfg)
+    trainer = trainer_class(strategy, cfg.strategy)(cfg, run_settings(cfg))
     assert isinstance(trainer, DittoTrainer if strategy == "ditto" else ClientTrainer)
     state = trainer.fit(rnd, payload, {}).state
     calls: list[int] = []
@@ -232,10 +232,10 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
 def test_the_protocols_measured(mode: str, compare: bool, expected: tuple[str, ...]) -> None:
     cfg = compose_config({"strategy": "local"}, [f"eval_bn_statistics={mode}", f"eval_bn_compare={compare}"])
     rnd = _round(cfg)
-    trainer = LocalTrainer(cfg)
+    trainer = LocalTrainer(cfg, run_settings(cfg))
     assert trainer.bn_protocols(trainer.new_model(rnd)) == expected
     mlp = compose_config({"strategy": "local"}, ["model=mlp"])
-    assert LocalTrainer(mlp).bn_protocols(build_model(mlp.model, rnd.input_shape, rnd.num_classes)) == ()
+    assert LocalTrainer(mlp, run_settings(mlp)).bn_protocols(build_model(mlp.model, rnd.input_shape, rnd.num_classes)) == ()
 
 
 def test_the_summary_names_its_protocol_and_each_protocols_best_round() -> None:
@@ -250,13 +250,13 @@ def test_the_summary_names_its_protocol_and_each_protocols_best_round() -> None:
         return {"round": rnd, "evaluate": summary, "clients": clients}
 
     rounds = [ev(1, (0.5, 0.9), (0.2, 0.1)), ev(2, (0.6, 0.5), (0.3, 0.8)), ev(3, (0.7, 0.6), (0.25, 0.3))]
-    summary = build_summary(cfg, rounds, {"0": {"num_train": 10}}, "completed")
+    summary = build_summary(run_settings(cfg), rounds, {"0": {"num_train": 10}}, "completed")
     assert summary["bn_statistics"] == "own"
     own, stored = summary["bn_protocols"]["own"], summary["bn_protocols"]["stored"]
     assert (own["accuracy_mean"], own["best_round"], own["best_accuracy_mean"]) == (0.7, 1, 0.5)
     assert (stored["accuracy_mean"], stored["best_round"], stored["best_accuracy_mean"]) == (0.25, 2, 0.3)
     assert summary["best_round"] == own["best_round"] and summary["accuracy_mean"] == own["accuracy_mean"]
-    fedavg = build_summary(compose_config({}, []), [{"round": 1, "evaluate": {
+    fedavg = build_summary(run_settings(compose_config({}, [])), [{"round": 1, "evaluate": {
         "accuracy_mean": 0.5, "accuracy_min": 0.5, "accuracy_std": 0.0}, "clients": {"0": {"accuracy": 0.5}}}],
         {"0": {}}, "completed")
     assert fedavg["bn_statistics"].startswith("as held") and "bn_protocols" not in fedavg

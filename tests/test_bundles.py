@@ -30,7 +30,7 @@ from common.bundles import (
     run_bundle,
     send_and_receive,
 )
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION
 from common.protocol import ARRAYS_KEY, CONFIG_KEY, from_record, to_record
 from learning.data import load_federated_data
@@ -199,7 +199,7 @@ def test_a_federation_in_bundles_ends_bit_for_bit_where_one_node_per_client_ends
         nodes = num_nodes or len(data.client_ids)
         grid = grid_of([str(p) for p in range(nodes)], NodeClients(run_config, data.client_ids, run_id, nodes),
                        num_partitions=nodes)
-        run_federation(build_strategy(cfg, data), grid, cfg, RunRecorder(cfg))
+        run_federation(build_strategy(cfg, data), grid, run_settings(cfg), RunRecorder(cfg, run_settings(cfg)))
         return grid
 
     federate("apart", FakeGrid, None, 1)

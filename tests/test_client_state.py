@@ -9,7 +9,7 @@ import torch
 from client.baselines import DittoTrainer, FedBNTrainer, LocalTrainer
 from client.state import ClientStateStore, StateCorruptError
 from client.trainer import ClientRound, ClientTrainer
-from common.config import compose_config
+from common.config import _compose_cached, compose_config, compose_run, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model, parameter_groups
 from learning.params import get_arrays
@@ -41,7 +41,7 @@ def test_truncated_state_is_refused(tmp_path):
 
 def _round(cfg, cid="0", server_round=1):
     data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=server_round)
 
 
@@ -53,7 +53,7 @@ def _initial(cfg):
 
 def test_fedbn_keeps_bn_local_across_rounds_and_restart(tmp_path):
     cfg = compose_config({"strategy": "fedbn"})
-    trainer = FedBNTrainer(cfg)
+    trainer = FedBNTrainer(cfg, run_settings(cfg))
     payload = _initial(cfg)
     res1 = trainer.fit(_round(cfg), payload, {})
     model = build_model(cfg.model, (1, 8, 8), 10)
@@ -72,7 +72,7 @@ def test_fedbn_keeps_bn_local_across_rounds_and_restart(tmp_path):
 
 def test_local_uploads_nothing_and_continues_its_own_model(tmp_path):
     cfg = compose_config({"strategy": "local"})
-    trainer = LocalTrainer(cfg)
+    trainer = LocalTrainer(cfg, run_settings(cfg))
     payload = _initial(cfg)
     r1 = trainer.fit(_round(cfg), payload, {})
     assert r1.upload == {}
@@ -84,7 +84,7 @@ def test_local_uploads_nothing_and_continues_its_own_model(tmp_path):
 
 def test_ditto_personal_model_persists_and_differs_from_global():
     cfg = compose_config({"strategy": "ditto"})
-    trainer = DittoTrainer(cfg)
+    trainer = DittoTrainer(cfg, run_settings(cfg))
     payload = _initial(cfg)
     r1 = trainer.fit(_round(cfg), payload, {})
     personal = {k[len("personal/"):]: v for k, v in r1.state.items() if k.startswith("personal/")}
@@ -97,7 +97,7 @@ def test_ditto_personal_model_persists_and_differs_from_global():
 
 def test_fedavg_trainer_learns_on_its_split():
     cfg = compose_config({}, ["train.local_epochs=5"])
-    trainer = ClientTrainer(cfg)
+    trainer = ClientTrainer(cfg, run_settings(cfg))
     rnd = _round(cfg)
     payload = _initial(cfg)
     before = trainer.evaluate(rnd, payload, {})
@@ -112,7 +112,7 @@ def test_fedprox_proximal_term_pulls_towards_the_global_model():
 
     def drift(strategy, mu):
         cfg = compose_config({"strategy": strategy}, ["train.local_epochs=3"] + ([f"strategy.mu={mu}"] if mu else []))
-        trainer = FedProxTrainer(cfg) if strategy == "fedprox" else ClientTrainer(cfg)
+        trainer = FedProxTrainer(cfg, run_settings(cfg)) if strategy == "fedprox" else ClientTrainer(cfg, run_settings(cfg))
         payload = _initial(cfg)
         up = trainer.fit(_round(cfg), payload, {}).upload
         params = [k for k in up if "running_" not in k and up[k].dtype.kind == "f"]  # parameters, not BN stats
@@ -127,8 +127,14 @@ def test_a_process_makes_one_trainer_per_configuration() -> None:
     its own, of its own method."""
     from client.handlers import trainer_for
 
-    fedavg, ditto = compose_config({}, []), compose_config({"strategy": "ditto"}, [])
-    first = trainer_for(fedavg, "fedavg")
-    assert trainer_for(compose_config({}, []), "fedavg") is first and type(first) is ClientTrainer
-    other = trainer_for(ditto, "ditto")
-    assert isinstance(other, DittoTrainer) and other.cfg is ditto and first.cfg is fedavg
+    fedavg, ditto = compose_run({}, []), compose_run({"strategy": "ditto"}, [])
+    first = trainer_for(fedavg)
+    assert trainer_for(compose_run({}, [])) is first and type(first) is ClientTrainer
+    # the key is the composition's, not the object's: the same configuration composed again
+    # (the composition cache dropped, so a new object) shares the trainer too
+    _compose_cached.cache_clear()
+    again = compose_run({}, [])
+    assert again is not fedavg and trainer_for(again) is first
+    other = trainer_for(ditto)
+    assert isinstance(other, DittoTrainer) and other.cfg is ditto.cfg and first.cfg is fedavg.cfg
+    assert other.settings is ditto.settings and other.settings.strategy == "ditto"

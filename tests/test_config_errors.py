@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import ConfigError, compose_config, group_options
+from common.config import ConfigError, compose_config, group_options, run_settings
 from ops import cli
 from ops.deployment import launch
 from server.checkpoint import save_checkpoint
@@ -125,7 +125,7 @@ def _fake_run(root: Path, strategy: str = "fedbn", rnd: int = 2, seed: int = 0) 
     cfg = compose_config({"strategy": strategy, "seed": str(seed)})
     run_dir = root / "old"
     save_checkpoint(run_dir, rnd, {"global": {"w": np.zeros(2, np.float32)}},
-                    {**checkpoint_identity(cfg, 8), "strategy_state": {}})
+                    {**checkpoint_identity(run_settings(cfg), 8), "strategy_state": {}})
     return run_dir
 
 
@@ -190,7 +190,7 @@ def test_a_nodes_data_root_is_the_root_of_datasets_read_from_files_only() -> Non
 
     def on_node(run_config: dict[str, str]) -> str:
         context = SimpleNamespace(run_config=run_config, node_config={"data-root": "/data"})
-        return str(client_config(context).dataset.root)   # type: ignore[arg-type]
+        return str(client_config(context).cfg.dataset.root)   # type: ignore[arg-type]
 
     assert on_node({}) == "" and on_node({"dataset": "mnist5k-rotated"}) == ""
     assert on_node({"dataset": "mnist"}) == "/data" and on_node({"dataset": "fashion-mnist"}) == "/data"

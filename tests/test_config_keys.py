@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_config, compose_run, run_settings
 from common.settings import FinetuneSettings, PersonalizeSettings, RunKeys, TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_no_code_restates_a_default_of_conf() -> None:
 
 
 # a cast of the untyped config (``int(cfg.seed)``, ``float(self.cfg.train.lr)``): code reads
-# the typed settings composition made (common/config.py: run_settings) instead
+# the typed settings composition made (common/config.py: ComposedRun.settings) instead
 CONFIG_CAST = re.compile(r"""\b(int|float|str|bool)\((self\.|rnd\.)?cfg\.""")
 
 
@@ -57,14 +57,34 @@ def test_no_code_casts_the_config_outside_composition() -> None:
              if path.relative_to(REPO).as_posix() != "common/config.py"
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if CONFIG_CAST.search(line) and not line.lstrip().startswith(("#", "``"))]
-    assert found == [], "casts of the config (read run_settings(cfg) instead):\n" + "\n".join(found)
+    assert found == [], "casts of the config (read the typed Settings instead):\n" + "\n".join(found)
     assert CONFIG_CAST.search("seed = int(cfg.seed)") and CONFIG_CAST.search("float(self.cfg.train.lr)")
 
 
+# Where the typed settings are read from a config: composition, and the two apps' edges (the
+# ServerApp's main and the ClientApp's message handlers), which hand them down; the commands of
+# ops/ and bench/ compose or load a run folder's config.yaml themselves, above the apps.
+SETTINGS_READERS = ("common/config.py", "server/app.py", "client/handlers.py")
+RUN_SETTINGS_CALL = re.compile(r"\brun_settings\(")
+
+
+def test_below_the_app_edges_code_takes_settings_and_never_reads_them_from_the_config() -> None:
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for pkg in ("learning", "common", "strategies", "client", "server") for path in sorted((REPO / pkg).rglob("*.py"))
+             if path.relative_to(REPO).as_posix() not in SETTINGS_READERS
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if RUN_SETTINGS_CALL.search(line) and not line.lstrip().startswith(("#", "``"))]
+    assert found == [], "settings read from the config below the app edges (take Settings as an argument):\n" + \
+        "\n".join(found)
+    assert RUN_SETTINGS_CALL.search("run = run_settings(cfg).run") and not RUN_SETTINGS_CALL.search("def settings(")
+
+
 def test_run_settings_are_the_composed_groups_typed_and_read_once() -> None:
-    cfg = compose_config({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"])
-    settings = run_settings(cfg)
-    assert settings is run_settings(cfg)                    # read when composed, looked up after
+    composed = compose_run({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"])
+    cfg, settings = composed.cfg, composed.settings
+    # read when composed, and kept with the config: composing it again in this process gives them back
+    assert compose_run({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"]).settings is settings
+    assert run_settings(cfg) == settings                    # the reader gives the same, read again
     plain = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(plain, dict)
     assert settings.train == TrainSettings(**{**plain["train"], "lr_milestones": tuple(plain["train"]["lr_milestones"])})

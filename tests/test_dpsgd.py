@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from common.config import ConfigError, compose_config, validate_config
+from common.config import ConfigError, compose_config, run_settings, validate_config
 from common.methods import method, method_names
 from learning.dpsgd import DPSGDConfig, epsilon_of, model_problems
 from learning.training import OptimConfig, train_epochs
@@ -139,7 +139,7 @@ def _federate(root: Path, run: str, rounds: int, extra: str = "") -> tuple[Any, 
         return kind(msg, contexts[cid])
 
     strategy = build_strategy(cfg, data)
-    run_federation(strategy, FakeGrid(data.client_ids, handler), cfg, RunRecorder(cfg))
+    run_federation(strategy, FakeGrid(data.client_ids, handler), run_settings(cfg), RunRecorder(cfg, run_settings(cfg)))
     return strategy, cfg, data
 
 

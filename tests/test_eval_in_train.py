@@ -14,7 +14,7 @@ from flwr.app import MessageType
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation
@@ -57,9 +57,9 @@ def test_a_run_resumed_before_an_evaluation_arrived_ends_as_an_uninterrupted_one
     cfg = compose_config(run_config)
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     clients = Clients(run_config, data.client_ids, 1)
-    recorder = RunRecorder(cfg)
+    recorder = RunRecorder(cfg, run_settings(cfg))
     with pytest.raises(KeyboardInterrupt):
-        run_federation(build_strategy(cfg, data), StopAtRound(FakeGrid(data.client_ids, clients), 2), cfg, recorder)
+        run_federation(build_strategy(cfg, data), StopAtRound(FakeGrid(data.client_ids, clients), 2), run_settings(cfg), recorder)
     recorder.close()
     assert "evaluate" not in _records(tmp_path / "stopped")[0]  # round 1's evaluation was still to come
 

@@ -19,7 +19,7 @@ from helpers import pflower
 
 from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.trainer import MODEL_PREFIX, ClientRound
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.fdse_model import keys_by_class, parameter_classes, shared_bn_stats
 from learning.models import build_model
@@ -48,7 +48,7 @@ def make_strategy(cfg, data, client_ids=None) -> FDSE:
 
 
 def client_round(cfg, data, cid: str, rnd: int) -> ClientRound:
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=rnd)
 
 
@@ -57,7 +57,7 @@ def two_rounds(setup):
     """Real FDSETrainer.fit calls of clients 0, 1, 2: round 1 all three, round 2 only 0, 1."""
     cfg, data = setup
     strat = make_strategy(cfg, data, ["0", "1", "2"])
-    trainer = FDSETrainer(cfg)
+    trainer = FDSETrainer(cfg, run_settings(cfg))
     states: dict[str, dict] = {c: {} for c in ("0", "1", "2")}
     log: dict = {"payloads": {}, "results": {}, "personal_after": {}}
     for rnd, clients in ((1, ["0", "1", "2"]), (2, ["0", "1"])):
@@ -249,7 +249,7 @@ def test_the_adapt_mode_of_personalize_is_the_trainers_algorithm_3(setup, two_ro
     cfg, data = setup
     strat, trainer = two_rounds[0], two_rounds[1]
     groups, _ = strat.state()
-    rnd = ClientRound(cfg=cfg, client_id="new-1", data=data.new_clients["new-1"], num_classes=data.num_classes,
+    rnd = ClientRound(settings=run_settings(cfg), client_id="new-1", data=data.new_clients["new-1"], num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=3)
     got = trainer.adapt_new_client(rnd, groups, {"init": "mean", "epochs": 1, "lr": None, "adapt_on": None})
     torch.manual_seed(int(cfg.seed))
@@ -368,8 +368,8 @@ def test_evaluation_tests_the_model_right_after_local_training(setup, two_rounds
     assert now["accuracy"] == older["accuracy"] and now["loss"] == older["loss"]
     trained = trainer.own_model(rnd, {}, states["0"], FDSETrainer.TRAINED)
     assert now["accuracy"] == evaluate_model(trained, data.client("0").test, torch.device("cpu"))["accuracy"]
-    aggregated = FDSETrainer(compose_config({"experiment": "fdse-digits"},
-                                            ["rounds=2", "strategy.evaluate=aggregated"]))
+    aggregated_cfg = compose_config({"experiment": "fdse-digits"}, ["rounds=2", "strategy.evaluate=aggregated"])
+    aggregated = FDSETrainer(aggregated_cfg, run_settings(aggregated_cfg))
     sent = aggregated.evaluate(rnd, strat.payload_for("0"), states["0"])
     first = aggregated.evaluate(rnd, log["payloads"][(1, "0")], states["0"])
     assert (sent["loss"], sent["accuracy"]) != (first["loss"], first["accuracy"])

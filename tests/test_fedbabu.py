@@ -19,7 +19,7 @@ from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
 from client.handlers import trainer_class
 from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
@@ -132,7 +132,7 @@ def setup():
 
 
 def _rnd(cfg, data, cid, server_round, config):
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
                        server_round=server_round, message_config=dict(config))
 
@@ -142,7 +142,7 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     assert float(cfg.train.weight_decay) > 0 and float(cfg.train.momentum) > 0
     assert data.client_ids == ["0", "1", "2"]
     strategy = build_strategy(cfg, data)
-    trainer = FedBABUTrainer(cfg)
+    trainer = FedBABUTrainer(cfg, run_settings(cfg))
     head0 = {k: v.copy() for k, v in strategy.head.items()}
     assert sorted(head0) == sorted(HEAD_KEYS)
     w = head0["head.weight"].astype(np.float64)
@@ -183,7 +183,7 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     fedavg_cfg = compose_config({"strategy": "fedavg", "dataset": "digits-shards", "rounds": "3"},
                                 ["dataset.clients_per_domain=3", "train.weight_decay=5e-4",
                                  "train.momentum=0.9"])
-    fedavg_res = ClientTrainer(fedavg_cfg).fit(_rnd(fedavg_cfg, data, "0", 1, {}), strategy.payload_for(None), {})
+    fedavg_res = ClientTrainer(fedavg_cfg, run_settings(fedavg_cfg)).fit(_rnd(fedavg_cfg, data, "0", 1, {}), strategy.payload_for(None), {})
     assert not np.array_equal(fedavg_res.upload["head.weight"], head0["head.weight"])
 
     # Evaluation: initial (global) accuracy = curve at 0 epochs; accuracy = after fine-tuning.
@@ -237,7 +237,7 @@ def test_fedprox_body_only_freezes_head(setup):
     assert type(strategy) is FedBABU and strategy.name == "fedprox", "body_only must select FedBABU's server rule"
     assert strategy.head_init == "orthogonal"
     payload = strategy.payload_for("0")
-    trainer = trainer_class("fedprox", cfg2.strategy)(cfg2)
+    trainer = trainer_class("fedprox", cfg2.strategy)(cfg2, run_settings(cfg2))
     assert isinstance(trainer, FedProxBABUTrainer) and trainer.finetunes
     res = trainer.fit(_rnd(cfg2, data, "0", 1, {}), payload, {})
     assert not set(res.upload) & set(HEAD_KEYS)
@@ -246,7 +246,7 @@ def test_fedprox_body_only_freezes_head(setup):
         np.testing.assert_array_equal(res.state["head/" + k], strategy.head[k])
     plain = compose_config({"strategy": "fedprox"})
     assert trainer_class("fedprox", plain.strategy) is FedProxTrainer
-    assert not FedProxTrainer(plain).finetunes
+    assert not FedProxTrainer(plain, run_settings(plain)).finetunes
 
 
 # ----------------------------------------------------------------- results + configs
@@ -256,7 +256,7 @@ def test_summary_finetune_curve_is_numerically_ordered(tmp_path):
     for e, a in [(10, 0.95), (0, 0.3), (2, 0.8), (1, 0.7), (5, 0.9)]:
         ev.update({f"ft_acc_e{e}_mean": a, f"ft_acc_e{e}_min": a, f"ft_acc_e{e}_std": 0.0})
     rounds = [{"round": 1, "evaluate": ev, "clients": {"0": {"accuracy": 0.9}}}]
-    summary = build_summary(cfg, rounds, {"0": {"num_train": 5}}, "completed")
+    summary = build_summary(run_settings(cfg), rounds, {"0": {"num_train": 5}}, "completed")
     assert list(summary["finetune_curve"]) == ["0", "1", "2", "5", "10"]
     assert summary["finetune_curve"]["10"] == 0.95
 

@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 from client.fedbasis import FedBasisTrainer
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
-from common.config import ConfigError, compose_config, validate_config
+from common.config import ConfigError, compose_config, run_settings, validate_config
 from common.flower_compat import send_and_receive
 from common.protocol import make_reply
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
@@ -48,7 +48,7 @@ def data():
 
 
 def _rnd(cfg, data, cid="0", server_round=1) -> ClientRound:
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=server_round)
 
 
@@ -138,7 +138,7 @@ def test_bn_statistics_move_by_the_same_change_in_every_basis() -> None:
 # ---------------------------------------------------------------- coordinate descent
 def _round(data, *overrides: str) -> tuple[FedBasisTrainer, LocalRound, dict[str, np.ndarray]]:
     cfg = _cfg(*overrides)
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data)
     payload = _payload(trainer.new_model(rnd))
     work = LocalRound(rnd, payload, {}, {})
@@ -205,7 +205,7 @@ def test_a_warm_up_that_seeds_the_bases_from_client_models_refuses_privacy(priva
 
 def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:
     cfg = _cfg()
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data, server_round=3)
     payload = _payload(trainer.new_model(rnd))
     state = {MODEL_PREFIX + COEFF_KEY: np.full((4, 4), 7.0, np.float32)}
@@ -217,7 +217,7 @@ def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:
 
 def test_warm_up_round_trains_one_plain_model(data) -> None:
     cfg = _cfg()
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data)
     plain = trainer.new_model(rnd).template
     payload = {MAJOR_PREFIX + k: v for k, v in get_arrays(plain).items()}
@@ -231,7 +231,7 @@ def test_warm_up_round_trains_one_plain_model(data) -> None:
 @pytest.mark.parametrize("head", [True, False])
 def test_new_client_personalisation_changes_only_its_logits_and_classifier(data, head: bool) -> None:
     cfg = _cfg(f"strategy.personalize_head={str(head).lower()}")
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data, cid="new-0")
     payload = _payload(trainer.new_model(rnd))
     model, trainable = trainer.new_client_model(rnd, payload, "basis")
@@ -260,7 +260,7 @@ def test_the_lr_sweep_moves_the_coefficients_lr_like_the_classifiers(data, monke
     import client.trainer as ct
 
     cfg = _cfg("strategy.coeff_lr=1.0", "train.lr=0.05")
-    trainer = FedBasisTrainer(cfg)
+    trainer = FedBasisTrainer(cfg, run_settings(cfg))
     assert trainer.new_client_lr_scales() == {COEFF_KEY: pytest.approx(20.0)}
     rnd = _rnd(cfg, data, cid="new-0")
     model, trainable = trainer.new_client_model(rnd, _payload(trainer.new_model(rnd)), "basis")

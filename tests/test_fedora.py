@@ -49,7 +49,7 @@ def _cfg(*extra: str, root: Path | None = None):
 
 def _round(cfg, cid: str = "0", server_round: int = 1, need: str = "") -> ClientRound:
     data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
                        server_round=server_round, message_config={NEED_BASIS_KEY: need})
 
@@ -122,7 +122,7 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
                     extra_loss=extra_loss, optimizer=optimizer, after_step=after_step, dpsgd=dpsgd)
 
     monkeypatch.setattr(cf, "train_epochs", spy)
-    result = FEDORATrainer(cfg).fit(rnd, payload, state)
+    result = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, payload, state)
     lam = result.metrics["lambda"]
     assert lam == pytest.approx(want, rel=1e-5, abs=1e-9)
     assert result.metrics["val_loss_own"] - result.metrics["val_loss_propagated"] == \
@@ -152,7 +152,7 @@ def test_penalty_pulls_towards_propagated_parameters():
         own, hat = _model(cfg, 1), _model(cfg, 3)
         state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
         payload = get_arrays(hat)
-        up = FEDORATrainer(cfg).fit(rnd, payload, state).upload
+        up = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, payload, state).upload
         dist[eps] = math.sqrt(sum(float(np.sum((up[k] - payload[k]) ** 2)) for k in payload))
     start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2))
                           for k in payload))
@@ -164,14 +164,14 @@ def test_first_round_without_state_starts_from_payload_and_basis_cached():
     cfg = _cfg()
     rnd = _round(cfg, "3", need="1,3,5")
     init = get_arrays(_model(cfg, 0))
-    result = FEDORATrainer(cfg).fit(rnd, init, {})
+    result = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, init, {})
     assert result.metrics["lambda"] == pytest.approx(1e-8)  # theta_k == theta_hat_k
     assert set(result.extra) == {BASIS_RECORD}
     u = result.extra[BASIS_RECORD][BASIS_ARRAY]
     np.testing.assert_array_equal(result.state[BASIS_STATE], u)
     # not asked -> no basis in the reply; the cached basis is reused
     rnd2 = _round(cfg, "3", server_round=2, need="1,5")
-    result2 = FEDORATrainer(cfg).fit(rnd2, result.upload, result.state)
+    result2 = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd2, result.upload, result.state)
     assert result2.extra == {}
     np.testing.assert_array_equal(result2.state[BASIS_STATE], u)
 
@@ -374,7 +374,7 @@ def test_in_process_federation_digits_rotated(tmp_path):
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     s = FEDORA(initial_arrays=get_arrays(model), client_ids=data.client_ids,
                run=RunSettings.from_run_keys(run_settings(cfg).run, 1), options=dict(cfg.strategy), model=model, data=data)
-    trainer = FEDORATrainer(cfg)
+    trainer = FEDORATrainer(cfg, run_settings(cfg))
     states: dict[str, dict] = {c: {} for c in data.client_ids}
     accs = []
     for rnd_no in (1, 2, 3):
@@ -514,7 +514,7 @@ def _fit_distance(*overrides: str):
     ||theta_k after - theta_hat_k|| and ||theta_k before - theta_hat_k|| (float64)."""
     cfg = _cfg(*overrides)
     own, hat = get_arrays(_model(cfg, 1)), get_arrays(_model(cfg, 3))
-    result = FEDORATrainer(cfg).fit(_round(cfg), hat, {MODEL_PREFIX + k: v for k, v in own.items()})
+    result = FEDORATrainer(cfg, run_settings(cfg)).fit(_round(cfg), hat, {MODEL_PREFIX + k: v for k, v in own.items()})
 
     def distance(arrays: dict) -> float:
         return math.sqrt(sum(float(np.sum((arrays[k].astype(np.float64) - hat[k]) ** 2)) for k in hat))
@@ -571,8 +571,8 @@ def test_unit_inputs_reach_the_model_and_the_basis_unchanged():
     xu, _ = _stack(_round(unit, cid="1").data.train)
     assert xs.min() < -0.5 and xu.min() >= 0.0 and xu.max() <= 1.0
     np.testing.assert_allclose(xu, xs * 0.5 + 0.5, atol=1e-6)
-    u_sym = FEDORATrainer(sym).basis(_round(sym, cid="1"), {})
-    u_unit = FEDORATrainer(unit).basis(_round(unit, cid="1"), {})
+    u_sym = FEDORATrainer(sym, run_settings(sym)).basis(_round(sym, cid="1"), {})
+    u_unit = FEDORATrainer(unit, run_settings(unit)).basis(_round(unit, cid="1"), {})
     np.testing.assert_allclose(np.abs(u_unit), np.abs(u_sym), atol=1e-5)
 
 
@@ -595,7 +595,7 @@ def test_basis_inputs_option(inputs, shift):
     x, _ = _stack(rnd.data.train)
     if shift:
         x = x * 0.5 + 0.5
-    u = FEDORATrainer(cfg).basis(rnd, {})[:, 0]
+    u = FEDORATrainer(cfg, run_settings(cfg)).basis(rnd, {})[:, 0]
     v = np.linalg.svd(x, full_matrices=False)[2][0]
     assert abs(float(u @ v)) == pytest.approx(1.0, abs=1e-5)
 
@@ -653,8 +653,8 @@ def test_code_form_validation_loss_is_the_sum_of_batch_means():
     per_sample = torch.nn.functional.cross_entropy(logits, torch.as_tensor(y), reduction="none")
     sums = sum(float(per_sample[i:i + 8].mean()) for i in range(0, len(y), 8))
     assert len(y) > 8
-    assert FEDORATrainer(code).validation_loss(rnd, model) == pytest.approx(sums, rel=1e-5)
-    assert FEDORATrainer(paper).validation_loss(_round(paper, cid="1"), model) == \
+    assert FEDORATrainer(code, run_settings(code)).validation_loss(rnd, model) == pytest.approx(sums, rel=1e-5)
+    assert FEDORATrainer(paper, run_settings(paper)).validation_loss(_round(paper, cid="1"), model) == \
         pytest.approx(float(per_sample.mean()), rel=1e-5)
 
 
@@ -684,12 +684,12 @@ def test_lambda_bn_own_takes_both_validation_losses_with_recomputed_statistics()
     for module in own.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             module.running_mean += 3.0                  # the same weights, statistics that do not fit them
-    lam, own_loss, hat_loss = FEDORATrainer(stored_cfg).selective_weight(rnd, own, hat)
+    lam, own_loss, hat_loss = FEDORATrainer(stored_cfg, run_settings(stored_cfg)).selective_weight(rnd, own, hat)
     assert own_loss > hat_loss + 0.5 and lam == pytest.approx(own_loss - hat_loss)
 
     own_cfg = _cfg("model=cnn", "strategy.lambda_form=paper", "strategy.lambda_bn=own")
     shifted = {k: v.clone() for k, v in own.state_dict().items()}
-    lam, own_loss, hat_loss = FEDORATrainer(own_cfg).selective_weight(_round(own_cfg), own, hat)
+    lam, own_loss, hat_loss = FEDORATrainer(own_cfg, run_settings(own_cfg)).selective_weight(_round(own_cfg), own, hat)
     assert all(torch.equal(v, own.state_dict()[k]) for k, v in shifted.items())   # recomputed on copies
     recomputed = recompute_bn_statistics(copy.deepcopy(hat), rnd.data.train, int(own_cfg.train.batch_size),
                                          torch.device("cpu"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, pflower, pflower_popen
 
-from common.config import ConfigError, compose_config
+from common.config import ConfigError, compose_config, run_settings
 from common.overrides import split_overrides
 from ops.deployment.launch import cmdline, kill_tree, process_tree
 from ops.recovery import RESUMABLE_KEYS, death_reason, expand_resume
@@ -104,7 +104,7 @@ def test_recoveries_are_logged_and_counted_in_the_summary(tmp_path: Path) -> Non
     from server.results import RunRecorder
 
     cfg = compose_config({"results-root": str(tmp_path), "run-name": "r"}, ["rounds=1"])
-    recorder = RunRecorder(cfg)
+    recorder = RunRecorder(cfg, run_settings(cfg))
     recorder.log_round({"round": 1, "evaluate": {"accuracy_mean": 0.5, "accuracy_min": 0.5, "accuracy_std": 0.0},
                         "clients": {"0": {"accuracy": 0.5}}})
     clean = recorder.finish({"0": {"num_train": 1}})

@@ -130,7 +130,7 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
 
     from bench.message_parts import PART_ORDER
     from client import app as client_app
-    from common.config import compose_config
+    from common.config import compose_config, run_settings
     from learning.data import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
@@ -150,8 +150,8 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
         call = client_app.train if msg.metadata.message_type == MessageType.TRAIN else client_app.evaluate
         return client_app.timing_mod(msg, contexts[cid], call)
 
-    run_federation(build_strategy(cfg, data), FakeGrid(data.client_ids, handler), cfg,
-                   RunRecorder(cfg, resume=False))
+    run_federation(build_strategy(cfg, data), FakeGrid(data.client_ids, handler), run_settings(cfg),
+                   RunRecorder(cfg, run_settings(cfg), resume=False))
     lines = read_lines(folder)
     second = [x for x in lines if x["type"] == "train" and x["server_round"] == 2]
     assert sorted(x["client_id"] for x in second) == sorted(data.client_ids)

@@ -36,7 +36,7 @@ from helpers import PRIVATE_FORM, FakeGrid
 
 from client import app as client_app
 from client.secure_aggregation import stage_of
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from common.methods import method, method_names, parameter_roles
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
@@ -114,8 +114,8 @@ def _federate(run_config: dict[str, Any], run_id: int,
     if before is not None:
         before.update({k: copy.deepcopy(v) for k, v in vars(strategy).items() if k not in ("data", "model")})
     clients = Clients(run_config, data.client_ids, run_id)
-    run_federation(strategy, FakeGrid(data.client_ids, clients), cfg,
-                   RunRecorder(cfg, resume=bool(cfg.resume)))
+    run_federation(strategy, FakeGrid(data.client_ids, clients), run_settings(cfg),
+                   RunRecorder(cfg, run_settings(cfg), resume=bool(cfg.resume)))
     return strategy, clients, cfg
 
 
@@ -189,7 +189,7 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path, monkeypatc
 
     # ---- 2. checkpoint round trip
     run_dir = tmp_path / "restarted"
-    last, groups, meta = load_checkpoint(run_dir, checkpoint_identity(cfg, len(strategy.client_ids)))
+    last, groups, meta = load_checkpoint(run_dir, checkpoint_identity(run_settings(cfg), len(strategy.client_ids)))
     assert last == 1
     groups.pop("_rng", None)
     restored = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))

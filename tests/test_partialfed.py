@@ -19,7 +19,7 @@ from client.partialfed import (
     train_gated,
 )
 from client.trainer import MODEL_PREFIX, ClientRound, LocalRound
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -80,7 +80,7 @@ def data():
 
 
 def _rnd(cfg, data, cid="0", server_round=1, input_shape=None) -> ClientRound:
-    return ClientRound(cfg=cfg, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=input_shape or data.input_shape, device=torch.device("cpu"),
                        server_round=server_round)
 
@@ -102,7 +102,7 @@ def _from_global(trainer, rnd) -> set[str]:
 @pytest.mark.parametrize("rule", FIX_RULES)
 def test_fix_rule_loads_exactly_the_listed_keys_on_the_small_cnn(rule, data):
     cfg = _cfg("partialfed-fix", f"strategy.rule={rule}")
-    trainer = PartialFedFixTrainer(cfg)
+    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
     expected = CNN_EXPECTED[rule]
     if expected is None:
         with pytest.raises(ValueError, match="lacks"):
@@ -114,7 +114,7 @@ def test_fix_rule_loads_exactly_the_listed_keys_on_the_small_cnn(rule, data):
 @pytest.mark.parametrize("rule", sorted(RESNET_EXPECTED))
 def test_fix_rule_on_resnet18_blocks_and_stages(rule, data):
     cfg = _cfg("partialfed-fix", f"strategy.rule={rule}", "model=resnet18")
-    trainer = PartialFedFixTrainer(cfg)
+    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data, input_shape=(3, 16, 16))
     keys = trainer.new_model(rnd).state_dict().keys()
     expected = {k for k in keys if k.startswith(tuple(RESNET_EXPECTED[rule]))}
@@ -123,7 +123,7 @@ def test_fix_rule_on_resnet18_blocks_and_stages(rule, data):
 
 def test_fix_first_round_without_state_starts_from_the_payload(data):
     cfg = _cfg("partialfed-fix", "strategy.rule=no-bn-fc")
-    trainer = PartialFedFixTrainer(cfg)
+    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data)
     model = trainer.start_model(LocalRound(rnd, _marked(trainer.new_model(rnd), 1), {}, {}))
     assert all(np.all(v == 1) for v in get_arrays(model).values())
@@ -275,7 +275,7 @@ def test_anneal_and_merge_against_slow_computations():
 
 def test_adaptive_round_keeps_logits_and_reports_gates(data):
     cfg = _cfg("partialfed-adaptive", "strategy.gate_lr=1.0", "rounds=3")
-    trainer = PartialFedAdaptiveTrainer(cfg)
+    trainer = PartialFedAdaptiveTrainer(cfg, run_settings(cfg))
     rnd = _rnd(cfg, data, server_round=1)
     payload = get_arrays(trainer.new_model(rnd))
     first = trainer.fit(rnd, payload, {})

@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from ops.styled_digits import make_styled_digits
 from server.plots import accuracy_lines
 from server.results import RunRecorder
@@ -63,24 +63,29 @@ def _cfg(tmp_path: Path, **extra: object):
     return cfg
 
 
+def _recorder(tmp_path: Path, resume: bool = False, **extra: object) -> RunRecorder:
+    cfg = _cfg(tmp_path, **extra)
+    return RunRecorder(cfg, run_settings(cfg), resume=resume)
+
+
 def test_an_existing_run_folder_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
-    first = RunRecorder(_cfg(tmp_path))
+    first = _recorder(tmp_path)
     first.log_round({"round": 1})
     (tmp_path / "r" / "client_state" / "0").mkdir(parents=True)
     first.close()
     with pytest.raises(RunFolderError, match=r"already holds a run .*resume=.*overwrite=true"):
-        RunRecorder(_cfg(tmp_path))
+        _recorder(tmp_path)
     assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 1   # nothing lost
-    RunRecorder(_cfg(tmp_path), resume=True).close()                       # resume may reuse it
-    RunRecorder(_cfg(tmp_path, overwrite=True)).close()                   # overwrite replaces it ...
-    assert not (tmp_path / "r" / "client_state").exists()                 # ... with no stale state
+    _recorder(tmp_path, resume=True).close()   # resume may reuse it
+    _recorder(tmp_path, overwrite=True).close()   # overwrite replaces it ...
+    assert not (tmp_path / "r" / "client_state").exists()   # ... with no stale state
 
 
 def test_a_second_live_run_on_the_same_folder_is_refused(tmp_path: Path) -> None:
-    live = RunRecorder(_cfg(tmp_path))
+    live = _recorder(tmp_path)
     assert lock_is_held(tmp_path / "r")
     with pytest.raises(RunFolderError, match="being written by another live run"):
-        RunRecorder(_cfg(tmp_path, overwrite=True))
+        _recorder(tmp_path, overwrite=True)
     live.close()
     assert not lock_is_held(tmp_path / "r")
     RunFolderLock(tmp_path / "r").acquire().release()
@@ -110,10 +115,10 @@ def test_running_a_finished_configuration_again_says_where_its_result_is(tmp_pat
         assert f"{run} already holds this run, finished (completed): accuracy mean 0.9123 min 0.8000" in out
         assert f"-> {run / 'summary.json'}; nothing started" in out and "SuperLink" not in out
     from server.run_folder import finished_summary
-    assert finished_summary(run, compose_config({"rounds": "20"})) is not None
-    assert finished_summary(run, compose_config({}, ["rounds=20", "overwrite=true"])) is None
+    assert finished_summary(run, run_settings(compose_config({"rounds": "20"})).run) is not None
+    assert finished_summary(run, run_settings(compose_config({}, ["rounds=20", "overwrite=true"])).run) is None
     (run / "summary.json").write_text(json.dumps({"rounds": 10, "accuracy_mean": 0.5, "accuracy_min": 0.5}))
-    assert finished_summary(run, compose_config({"rounds": "20"})) is None
+    assert finished_summary(run, run_settings(compose_config({"rounds": "20"})).run) is None
 
 
 # ---------------------------------------------------------------- lost clients
@@ -131,12 +136,12 @@ def test_a_summary_over_fewer_clients_says_which_are_missing_and_why() -> None:
     rounds = [_round(1, {"0": 0.5, "1": 0.6, "2": 0.7, "3": 0.8}),
               _round(2, {"0": 0.5, "1": 0.6, "2": 0.7}, failed={"3": "client error: state is corrupted"},
                      eval_failed={"3": "client error: state is corrupted"})]
-    s = build_summary(cfg, rounds, info, "completed")
+    s = build_summary(run_settings(cfg), rounds, info, "completed")
     assert s["status"] == "partial"
     assert (s["clients_expected"], s["clients_reported"]) == (4, 3)
     assert s["clients_missing"] == {"3": "final evaluation: client error: state is corrupted"}
     assert s["client_failures"] == {"3": 1}
-    full = build_summary(cfg, rounds[:1], info, "completed")
+    full = build_summary(run_settings(cfg), rounds[:1], info, "completed")
     assert full["status"] == "completed" and full["clients_missing"] == {}
 
 
@@ -446,7 +451,7 @@ def test_summary_reports_the_pooled_all_accuracy_beside_the_mean() -> None:
     rnd = _round(1, {"0": 1.0, "1": 0.5, "2": 0.0})
     for cid, n in (("0", 10), ("1", 30), ("2", 60)):
         rnd["clients"][cid]["num-examples"] = float(n)
-    s = build_summary(cfg, [rnd], info, "completed")
+    s = build_summary(run_settings(cfg), [rnd], info, "completed")
     # (1.0 * 10 + 0.5 * 30 + 0 * 60) / 100 = 0.25, while the mean over clients is 0.5
     assert s["accuracy_all"] == pytest.approx(0.25) and s["accuracy_mean"] == pytest.approx(0.5)
 

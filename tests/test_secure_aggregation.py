@@ -22,7 +22,7 @@ from helpers import PRIVATE_FORM, FakeGrid
 from client import app as client_app
 from client import secure_aggregation as client_secagg
 from client.secure_aggregation import stage_of
-from common.config import ConfigError, compose_config, validate_config
+from common.config import ConfigError, compose_config, run_settings, validate_config
 from common.methods import method, method_names
 from common.secure_aggregation import (
     COLLECT,
@@ -197,7 +197,7 @@ def _federate(run_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
     clients = Clients(run_config, data.client_ids, monkeypatch, drop)
-    run_federation(strategy, FakeGrid(data.client_ids, clients), cfg, RunRecorder(cfg, resume=bool(cfg.resume)))
+    run_federation(strategy, FakeGrid(data.client_ids, clients), run_settings(cfg), RunRecorder(cfg, run_settings(cfg), resume=bool(cfg.resume)))
     return strategy, clients
 
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from common.config import compose_config
+from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from ops.progress import PhaseProgress, RunProgress, progress_wanted, rounds_seen
 from server.app import build_strategy, client_info
@@ -69,8 +69,8 @@ def test_a_run_writes_event_files_holding_its_metrics(tmp_path: Path) -> None:
     cfg = compose_config(run_config)
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
-    recorder = RunRecorder(cfg)
-    run_federation(strategy, FakeGrid(data.client_ids, Clients(run_config, data.client_ids, 1)), cfg, recorder)
+    recorder = RunRecorder(cfg, run_settings(cfg))
+    run_federation(strategy, FakeGrid(data.client_ids, Clients(run_config, data.client_ids, 1)), run_settings(cfg), recorder)
     recorder.finish(client_info(data), strategy.summary_extras())
     recorder.close()
     rounds = _records(tmp_path / "tb")

@@ -5,12 +5,11 @@ with pflower's modules and writes what ``start`` returned to ``<results_root>/<r
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import compose_config
+from common.config import compose_run
 from common.protocol import to_record
 from learning.data_cache import load_data_summary, resolve_cache_dir
 from server.app import build_strategy
@@ -20,13 +19,14 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = compose_config(dict(context.run_config))
-    data = load_data_summary(cfg.dataset, int(cfg.seed), resolve_cache_dir(str(cfg.data_cache)))
+    composed = compose_run(dict(context.run_config))
+    cfg, run = composed.cfg, composed.settings.run
+    data = load_data_summary(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
     strategy = build_strategy(cfg, data)
-    result = strategy.start(grid, to_record(strategy.global_arrays), num_rounds=int(cfg.rounds),
-                            train_config=ConfigRecord({"run-name": str(cfg.run_name)}),
-                            evaluate_config=ConfigRecord({"run-name": str(cfg.run_name), "final": False}))
-    out = Path(str(cfg.results_root)) / str(cfg.run_name) / "flower_start.json"
+    result = strategy.start(grid, to_record(strategy.global_arrays), num_rounds=run.rounds,
+                            train_config=ConfigRecord({"run-name": run.run_name}),
+                            evaluate_config=ConfigRecord({"run-name": run.run_name, "final": False}))
+    out = run.run_dir / "flower_start.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "evaluate": {str(r): dict(m) for r, m in result.evaluate_metrics_clientapp.items()},
