@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from flgo.benchmark.toolkits.cv.classification import GeneralCalculator
 
     from client.fdse import FDSETrainer
-    from client.trainer import ClientRound, unprefixed
+    from client.round import ClientRound
+    from client.trainer import unprefixed
     from common.config import compose_config, run_settings
     from common.methods import method_options
     from learning.data import load_federated_data

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.Update import LocalUpdate
 
     from client.fedbabu import FedBABUTrainer
-    from client.trainer import ClientRound
+    from client.round import ClientRound
     from common.config import compose_config, run_settings
     from learning.data import load_federated_data
     from server.app import build_strategy

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from models.ClientUpdate import LocalUpdateFEDORA
 
     from client.fedora import FEDORATrainer
-    from client.trainer import MODEL_PREFIX, ClientRound
+    from client.round import ClientRound
+    from client.trainer import MODEL_PREFIX
     from common.config import compose_config, run_settings
     from common.methods import method_options
     from learning.data import load_federated_data

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from client.baselines import DittoTrainer
-from client.trainer import ClientRound
+from client.round import ClientRound
 from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model

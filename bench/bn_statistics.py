@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from client.handlers import trainer_class
+from client.round import ClientRound
 from client.state import ClientStateStore
-from client.trainer import ClientRound
 from common.config import run_settings
 from learning.data import load_federated_data
 from learning.training import evaluate

@@ -19,7 +19,7 @@ import time
 
 def main(argv: list[str]) -> None:
     from client.handlers import trainer_class
-    from client.trainer import ClientRound
+    from client.round import ClientRound
     from common.config import compose_config, run_settings
     from common.methods import build_method_model
     from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir

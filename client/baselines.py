@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed
+from client.round import ClientRound
+from client.trainer import ClientTrainer, LocalRound, prefixed
 from common.options import DittoOptions, FedProxOptions
 from learning.params import NDArrays, get_arrays
 from learning.training import LossTerm, LossTerms, proximal_term, train_epochs

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
+from client.round import ClientRound
+from client.trainer import ClientTrainer, LocalRound, prefixed, unprefixed
 from common.roles import LOCAL, PERSONAL, keys_with
 from learning.data import ClientSplit
 from learning.fdse_model import (

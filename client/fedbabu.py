@@ -8,7 +8,7 @@ uploaded. The head arrives with the first payload and is kept in the client's pr
 state (``head/<key>``); later payloads carry only the body plus the head's SHA-256 in the
 config, which the stored copy must match.
 
-Evaluation (as FedAvg+FT, :func:`client.trainer.finetune_and_evaluate`): the global model
+Evaluation (as FedAvg+FT, :func:`client.finetune.finetune_and_evaluate`): the global model
 (body + fixed head) is tested as is (``global_accuracy``, the paper's *initial accuracy*),
 then fine-tuned on the client's train split (``finetune.part``: full = the paper's choice,
 head or body) and tested again (``ft_accuracy`` = ``accuracy``, the *personalised
@@ -24,7 +24,8 @@ import numpy as np
 from torch import nn
 
 from client.baselines import proximal_to
-from client.trainer import ClientRound, ClientTrainer, LocalRound, prefixed, unprefixed
+from client.round import ClientRound
+from client.trainer import ClientTrainer, LocalRound, prefixed, unprefixed
 from common.options import FedProxOptions
 from common.roles import FROZEN, keys_with
 from learning.params import NDArrays, get_arrays

@@ -29,7 +29,8 @@ from typing import ClassVar
 
 from torch import nn
 
-from client.trainer import ClientRound, ClientTrainer, LocalRound
+from client.round import ClientRound
+from client.trainer import ClientTrainer, LocalRound
 from common.roles import SHARED
 from learning.basis import COEFF_KEY, HEAD_OVERRIDE, MAJOR_PREFIX, BasisModel, basis_prefix
 from learning.params import NDArrays, get_arrays, set_arrays

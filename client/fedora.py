@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from client.baselines import proximal_to
-from client.trainer import ClientRound, ClientTrainer, LocalRound
+from client.round import ClientRound
+from client.trainer import ClientTrainer, LocalRound
 from learning.params import NDArrays, set_arrays
 from learning.training import (
     DecoupledProximal,

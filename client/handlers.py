@@ -18,8 +18,9 @@ from flwr.app import Context, Message
 
 from client import secure_aggregation as secagg
 from client.identity import client_id_of, serves_several
+from client.round import ClientRound
 from client.state import ClientStateStore
-from client.trainer import ClientRound, ClientTrainer
+from client.trainer import ClientTrainer
 from common.config import ComposedRun, compose_run
 from common.methods import load_named, method
 from common.protocol import (

@@ -33,14 +33,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
-from client.trainer import (
-    MODEL_PREFIX,
-    ClientRound,
-    ClientTrainer,
-    LocalRound,
-    prefixed,
-    unprefixed,
-)
+from client.round import ClientRound
+from client.trainer import MODEL_PREFIX, ClientTrainer, LocalRound, prefixed, unprefixed
 from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import OptimConfig, make_loader, make_optimizer, train_epochs

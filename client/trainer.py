@@ -12,7 +12,6 @@ client's own copy of model tensors); the ClientApp persists it with ClientStateS
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import secrets
 from collections.abc import Callable, Mapping
@@ -20,50 +19,32 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from client.finetune import (
+    FINETUNED,
+    finetune_and_evaluate,
+    finetune_trainable,
+    finetunes_this_round,
+)
+from client.round import ClientRound, evaluate_splits
 from common.methods import build_method_model, method_options, parameter_roles
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from common.settings import BN_OWN, Settings
 from common.timing import part
-from learning.data import ClientSplit
 from learning.dpsgd import DPSGDConfig
-from learning.models import parameter_groups
 from learning.params import NDArrays, get_arrays, set_arrays
 from learning.training import (
     LossTerm,
     LossTerms,
     OptimConfig,
-    evaluate,
     has_bn_running_stats,
-    make_optimizer,
     recompute_bn_statistics,
     train_epochs,
 )
 
 MODEL_PREFIX = "model/"
-
-
-@dataclass
-class ClientRound:
-    """Everything a trainer needs for one call."""
-
-    settings: Settings       # the run's, typed (composition reads them once)
-    client_id: str
-    data: ClientSplit
-    num_classes: int
-    input_shape: tuple[int, int, int]
-    device: torch.device
-    server_round: int
-    message_config: Mapping[str, Any] = field(default_factory=dict)   # the server's config record for this call
-
-    @property
-    def seed(self) -> int:
-        """A seed unique to (run seed, client, round): reproducible local shuffling."""
-        digest = hashlib.sha256(f"{self.settings.run.seed}/{self.client_id}/{self.server_round}".encode())
-        return int.from_bytes(digest.digest()[:4], "little")
 
 
 @dataclass
@@ -250,7 +231,7 @@ class ClientTrainer:
         out: dict[str, float] = {}
         references = self.reference_models(rnd, payload)
         for prefix, model in references.items():
-            out.update(_prefixed_eval(model, rnd, prefix))
+            out.update(evaluate_splits(model, rnd, prefix))
         if self.finetunes:
             glob = references.get("global_")
             base = glob if glob is not None else self.personal_model(rnd, payload, state)
@@ -260,7 +241,7 @@ class ClientTrainer:
                 out["loss"] = out["ft_loss"]
                 out[FINETUNED] = 1.0
             else:   # the model before fine-tuning, flagged so: never a best-round candidate
-                out.update(_prefixed_eval(base, rnd, ""))
+                out.update(evaluate_splits(base, rnd, ""))
                 out[FINETUNED] = 0.0
         elif self.personal_was_tested(references):
             # FedAvg, FedProx: the personalised model is the global model just tested, the
@@ -304,11 +285,11 @@ class ClientTrainer:
         model = self.personal_model(rnd, payload, state)
         protocols = self.bn_protocols(model)
         if not protocols:
-            return _prefixed_eval(model, rnd, "")
+            return evaluate_splits(model, rnd, "")
         out: dict[str, float] = {}
         for protocol in protocols:
             tested = self.with_own_bn_statistics(model, rnd) if protocol == BN_OWN else model
-            result = _prefixed_eval(tested, rnd, "")
+            result = evaluate_splits(tested, rnd, "")
             if protocol == protocols[0]:             # the headline's protocol
                 out.update(result)
             out[f"{protocol}_bn_accuracy"] = result["accuracy"]
@@ -370,98 +351,3 @@ def step_lr_scale(server_round: int, total_rounds: int, milestones: list[float],
 # class' tests the same model as its global reference (ClientTrainer.personal_was_tested)
 _PERSONAL_STEPS = ("evaluate_personal", "personal_model", "load_model", "new_model", "bn_protocols",
                    "with_own_bn_statistics", "reference_models")
-
-
-def _prefixed_eval(model: nn.Module, rnd: ClientRound, prefix: str) -> dict[str, float]:
-    weights = rnd.data.class_weights
-    test = evaluate(model, rnd.data.test, rnd.device, class_weights=weights)
-    val = evaluate(model, rnd.data.val, rnd.device, class_weights=weights)
-    return {f"{prefix}accuracy": test["accuracy"], f"{prefix}loss": test["loss"],
-            f"{prefix}val_accuracy": val["accuracy"], f"{prefix}val_loss": val["loss"]}
-
-
-def personalize_curve(model: nn.Module, rnd: ClientRound, trainable: Callable[[str], bool],
-                      opt: OptimConfig, epochs: int,
-                      lr_scales: Mapping[str, float] | None = None) -> list[dict[str, float]]:
-    """A new client's personalisation: train the ``trainable`` parameters of ``model`` for
-    ``epochs`` epochs on its train split (one optimiser throughout; ``lr_scales`` gives some
-    parameters ``opt.lr`` times their scale) and evaluate the validation and test splits
-    before training (epoch 0) and after every epoch."""
-    model = model.to(rnd.device)
-    own = {name: opt.lr * float(scale) for name, scale in (lr_scales or {}).items()}
-    params = [p for n, p in model.named_parameters() if trainable(n) and n not in own]
-    special = [(n, p) for n, p in model.named_parameters() if trainable(n) and n in own]
-    if not params and not special:
-        raise ValueError("personalisation has no parameter to learn")
-    optimizer = make_optimizer(params, opt)
-    for n, p in special:
-        optimizer.add_param_group({"params": [p], "lr": float(own[n])})
-    curve = [{"epoch": 0.0, **_prefixed_eval(model, rnd, "")}]
-    one = dataclasses.replace(opt, epochs=1)
-    for epoch in range(1, epochs + 1):
-        train_epochs(model, rnd.data.train, one, rnd.device, seed=rnd.seed + epoch,
-                     trainable=trainable, optimizer=optimizer)
-        curve.append({"epoch": float(epoch), **_prefixed_eval(model, rnd, "")})
-    return curve
-
-
-def last_and_best(curve: list[dict[str, float]]) -> dict[str, float]:
-    """Test accuracy after the last epoch, and at the epoch with the best validation
-    accuracy (the earliest on ties; epochs >= 1), as FedBasis' Table 2 reports them."""
-    trained = [c for c in curve if c["epoch"] >= 1] or curve
-    best = max(trained, key=lambda c: (c["val_accuracy"], -c["epoch"]))
-    return {"last_accuracy": trained[-1]["accuracy"], "best_accuracy": best["accuracy"],
-            "best_epoch": best["epoch"], "best_val_accuracy": best["val_accuracy"],
-            "start_accuracy": curve[0]["accuracy"]}
-
-
-def finetune_trainable(model: nn.Module, part: str) -> Callable[[str], bool]:
-    head = set(parameter_groups(model)["head"])
-    if part == "head":
-        return lambda n: n in head
-    if part == "body":
-        return lambda n: n not in head
-    return lambda n: True
-
-
-FINETUNED = "finetuned"   # eval metric: 1 when this evaluation fine-tuned (FT methods)
-
-
-def finetunes_this_round(rnd: ClientRound) -> bool:
-    """Fine-tuning is the costly part of an evaluation (5 epochs per client): do it at the
-    final evaluation, and every ``finetune.every`` rounds when asked."""
-    every = rnd.settings.finetune.every
-    return bool(rnd.message_config.get("final", False)) or (every > 0 and rnd.server_round % every == 0)
-
-
-def finetune_and_evaluate(model: nn.Module, rnd: ClientRound, final: bool = False) -> dict[str, float]:
-    """The fine-tuning personalisation protocol (FedBABU, FedAvg+FT).
-
-    Fine-tune a copy of ``model`` (whole model, or head/body only) for ``finetune.epochs``
-    epochs on the client's train split with its own optimiser settings, then test. With
-    ``final`` and ``finetune.curve``, also record test accuracy after each epoch count in
-    ``finetune.curve_epochs`` (FedBABU's Table 5) as ``ft_acc_e<E>``.
-    """
-    ft = rnd.settings.finetune
-    model = copy.deepcopy(model).to(rnd.device)
-    opt = ft.optim(rnd.settings.train)
-    trainable = finetune_trainable(model, ft.part)
-    curve = sorted(set(ft.curve_epochs)) if (final and ft.curve) else []
-    target = ft.epochs
-    out: dict[str, float] = {}
-    params = [p for n, p in model.named_parameters() if trainable(n)]
-    optimizer = make_optimizer(params, opt) if params else None
-    last = max([target, *curve])
-    for epoch in range(0, last + 1):
-        if epoch in curve:
-            out[f"ft_acc_e{epoch}"] = evaluate(model, rnd.data.test, rnd.device,
-                                               class_weights=rnd.data.class_weights)["accuracy"]
-        if epoch == target:
-            out.update(_prefixed_eval(model, rnd, "ft_"))
-        if epoch == last:
-            break
-        if optimizer is None:  # nothing to fine-tune: every epoch count gives the same model
-            continue
-        train_epochs(model, rnd.data.train, opt, rnd.device, seed=rnd.seed + epoch,
-                     trainable=trainable, optimizer=optimizer)
-    return out

@@ -9,7 +9,7 @@ whole model (``ft``) or the classifier only (``lp``, linear probe). Test accurac
 reported after the last epoch and at the epoch with the best validation accuracy.
 
 The client side is the method's own trainer (``ClientTrainer.new_client_model`` and
-:func:`client.trainer.personalize_curve`), so this is the client's code, run by an
+:func:`client.finetune.personalize_curve`), so this is the client's code, run by an
 operator on data the server never holds. Writes ``<run>/new_clients.json`` and adds
 ``new_client_accuracy_{mean,min}`` (last epoch) and ``new_client_accuracy_best_{mean,min}``
 at the largest size to ``<run>/summary.json``, at the learning rate Table 2 uses: the one of
@@ -31,8 +31,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Subset
 
+from client.finetune import last_and_best, personalize_curve
 from client.handlers import trainer_class
-from client.trainer import ClientRound, last_and_best, personalize_curve
+from client.round import ClientRound
 from common.config import compose_config, run_settings
 from common.protocol import client_sort_key
 from learning.data import ClientSplit, load_federated_data

@@ -19,7 +19,8 @@ from client.baselines import DittoTrainer, LocalTrainer
 from client.fedbasis import FedBasisTrainer
 from client.fedora import FEDORATrainer
 from client.handlers import trainer_class
-from client.trainer import ClientRound, ClientTrainer
+from client.round import ClientRound
+from client.trainer import ClientTrainer
 from common.config import ConfigError, compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model

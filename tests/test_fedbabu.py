@@ -18,7 +18,8 @@ from helpers import pflower
 from client.baselines import FedProxTrainer
 from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, HeadMissingError
 from client.handlers import trainer_class
-from client.trainer import ClientRound, ClientTrainer, step_lr_scale, unprefixed
+from client.round import ClientRound
+from client.trainer import ClientTrainer, step_lr_scale, unprefixed
 from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.params import num_bytes

@@ -16,7 +16,9 @@ from torch import nn
 from torch.func import functional_call
 
 from client.fedbasis import FedBasisTrainer
-from client.trainer import MODEL_PREFIX, ClientRound, LocalRound, personalize_curve
+from client.finetune import personalize_curve
+from client.round import ClientRound
+from client.trainer import MODEL_PREFIX, LocalRound
 from common.config import ConfigError, compose_config, run_settings, validate_config
 from common.flower_compat import send_and_receive
 from common.protocol import make_reply
@@ -583,7 +585,7 @@ def test_table2_headline_lr_is_selected_by_validation_not_test() -> None:
     """FedBasis' Table 2 selects the lr from {0.005, 0.01, 0.05}: by the new clients' mean
     validation accuracy at their best epoch. Here 0.05 has the best test accuracy and 0.01 the
     best validation accuracy: 0.01 must be chosen; a tie goes to the first listed."""
-    from client.trainer import last_and_best
+    from client.finetune import last_and_best
     from ops.personalize import select_lr, summarise
 
     def curve(val: list[float], test: list[float]) -> list[dict[str, float]]:

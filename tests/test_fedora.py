@@ -20,7 +20,8 @@ from helpers import FakeGrid, make_strategy, pflower
 
 import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
-from client.trainer import MODEL_PREFIX, ClientRound
+from client.round import ClientRound
+from client.trainer import MODEL_PREFIX
 from common.config import compose_config, run_settings
 from learning.data import build_federated_data, load_federated_data, num_clients
 from learning.models import build_model

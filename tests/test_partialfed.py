@@ -18,7 +18,8 @@ from client.partialfed import (
     PartialFedFixTrainer,
     train_gated,
 )
-from client.trainer import MODEL_PREFIX, ClientRound, LocalRound
+from client.round import ClientRound
+from client.trainer import MODEL_PREFIX, LocalRound
 from common.config import compose_config, run_settings
 from learning.data import load_federated_data
 from learning.models import build_model
