@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.fdse import FDSETrainer
     from client.round import ClientRound
     from client.trainer import unprefixed
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from common.methods import method_options
     from learning.data import load_federated_data
     from learning.params import get_arrays, set_arrays
@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from strategies.base import ClientUpdate, TrainRound
 
     cpu = torch.device("cpu")
-    cfg = compose_config({}, [*OVERRIDES, f"seed={args.seed}"])
+    composed = compose_run({}, [*OVERRIDES, f"seed={args.seed}"])
+    cfg, settings = composed.cfg, composed.settings
     torch.manual_seed(args.seed)
-    data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
+    data = load_federated_data(cfg.dataset, settings.run.seed)
     strategy = build_strategy(cfg, data)
-    settings = run_settings(cfg)
     trainer = FDSETrainer(cfg, settings)
     options = method_options(cfg.strategy)
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         client.__dict__.update(
             device=cpu, calculator=GeneralCalculator(cpu, optimizer_name="SGD"), get_batch_data=lambda: next(batches),
             num_steps=opt.epochs * len(replay), learning_rate=opt.lr, weight_decay=opt.weight_decay,
-            momentum=opt.momentum, clip_grad=run_settings(cfg).train.clip, lmbd=options.lam,
+            momentum=opt.momentum, clip_grad=settings.train.clip, lmbd=options.lam,
             beta=options.beta)
         fdse.Client.train(client, client.model)
         return client.model.state_dict()

@@ -41,19 +41,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.fedbabu import FedBABUTrainer
     from client.round import ClientRound
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from learning.data import load_federated_data
     from server.app import build_strategy
     from strategies.base import ClientUpdate, TrainRound
 
-    cfg = compose_config({}, ["experiment=fedbabu-cifar100-tau10", "strategy=fedbabu", "model=cnn4", "dataset.synthetic=true",
-                              "dataset.synthetic_samples=[600]", "dataset.clients_per_domain=3",
-                              "dataset.partition=dirichlet",   # unequal clients: a plain mean is not a weighted one
-                              "dataset.augment=none",   # random crops would differ between the two replays
-                              "model.bn_running_stats=false", f"seed={args.seed}"])
-    data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
+    composed = compose_run({}, ["experiment=fedbabu-cifar100-tau10", "strategy=fedbabu", "model=cnn4", "dataset.synthetic=true",
+                                "dataset.synthetic_samples=[600]", "dataset.clients_per_domain=3",
+                                "dataset.partition=dirichlet",   # unequal clients: a plain mean is not a weighted one
+                                "dataset.augment=none",   # random crops would differ between the two replays
+                                "model.bn_running_stats=false", f"seed={args.seed}"])
+    cfg, settings = composed.cfg, composed.settings
+    data = load_federated_data(cfg.dataset, settings.run.seed)
     strategy = build_strategy(cfg, data)
-    trainer = FedBABUTrainer(cfg, run_settings(cfg))
+    trainer = FedBABUTrainer(cfg, settings)
     their_net = CNNCifar(Namespace(num_classes=data.num_classes))
     ours_keys = list(strategy.payload_for(None))
     theirs_keys = list(their_net.state_dict())
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the forward pass
     payload = strategy.payload_for("0")
-    rnd0 = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd0 = ClientRound(settings=settings, client_id="0", data=data.client("0"), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
                        config=strategy.train_config)
     ours_model = trainer.new_model(rnd0)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the client update of three clients, on the batches pflower draws
     updates, worst = [], 0.0
     for i, cid in enumerate(data.client_ids[:3]):
-        rnd = ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+        rnd = ClientRound(settings=settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                           input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
                           config=strategy.train_config)
         sent = strategy.payload_for(cid)

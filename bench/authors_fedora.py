@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.fedora import FEDORATrainer
     from client.round import ClientRound
     from client.trainer import MODEL_PREFIX
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from common.methods import method_options
     from learning.data import load_federated_data
     from learning.models import build_model
@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     from learning.training import OptimConfig, make_loader, train_epochs
     from strategies.fedora_math import propagate, subspace_similarity
 
-    cfg = compose_config({}, ["experiment=fedora-mnist5k-rotated", f"seed={args.seed}"])
-    settings = run_settings(cfg)
+    composed = compose_run({}, ["experiment=fedora-mnist5k-rotated", f"seed={args.seed}"])
+    cfg, settings = composed.cfg, composed.settings
     data = load_federated_data(cfg.dataset, settings.run.seed)
-    rnd = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd = ClientRound(settings=settings, client_id="0", data=data.client("0"), num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=2)
     torch.manual_seed(args.seed)
     own, hat = (build_model(cfg.model, data.input_shape, data.num_classes) for _ in range(2))
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # pflower: one round of the client, recording the batches train_epochs draws
     with recorded_training() as drawn:
-        trainer = FEDORATrainer(cfg, run_settings(cfg))
+        trainer = FEDORATrainer(cfg, settings)
         lam_ours, own_loss, hat_loss = trainer.selective_weight(rnd, build_from(cfg, data, own_arrays),
                                                                 build_from(cfg, data, hat_arrays))
         result = trainer.fit(rnd, dict(hat_arrays), {MODEL_PREFIX + k: v for k, v in own_arrays.items()})
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max |pflower - authors| over the uploaded weights {update:.2e}")
 
     # propagation on pflower's code-form graph of all clients
-    bases = [trainer.basis(ClientRound(settings=run_settings(cfg), client_id=c, data=data.client(c), num_classes=data.num_classes,
+    bases = [trainer.basis(ClientRound(settings=settings, client_id=c, data=data.client(c), num_classes=data.num_classes,
                                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=1), {})
              for c in data.client_ids]
     w = subspace_similarity(bases, form="code", top_k=2)

@@ -18,7 +18,7 @@ import torch
 
 from client.baselines import DittoTrainer
 from client.round import ClientRound
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from learning.data import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -29,13 +29,14 @@ SETTINGS = {"stored only (before)": ["eval_bn_statistics=stored", "eval_bn_compa
 
 def client_call(name: str, overrides: list[str]) -> tuple[Callable[[], object], ClientRound]:
     """One client's evaluation under ``overrides`` (or its training round), ready to time."""
-    cfg = compose_config({"strategy": "ditto"}, overrides)
+    composed = compose_run({"strategy": "ditto"}, overrides)
+    cfg, settings = composed.cfg, composed.settings
     data = load_federated_data(cfg.dataset, 0)
-    rnd = ClientRound(settings=run_settings(cfg), client_id="0", data=data.client("0"), num_classes=data.num_classes,
+    rnd = ClientRound(settings=settings, client_id="0", data=data.client("0"), num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=2)
     torch.manual_seed(0)
     payload = get_arrays(build_model(cfg.model, rnd.input_shape, rnd.num_classes))
-    trainer = DittoTrainer(cfg, run_settings(cfg))
+    trainer = DittoTrainer(cfg, settings)
     state = trainer.fit(rnd, payload, {}).state
     if name == "train round":
         return (lambda: trainer.fit(rnd, payload, state)), rnd

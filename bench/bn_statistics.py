@@ -46,12 +46,12 @@ def both_protocols(run: Path) -> dict[str, dict[str, float]]:
     data = load_federated_data(cfg.dataset, settings.run.seed)
     strategy = build_strategy(cfg, data)
     strategy.load_state(groups, meta.get("strategy_state", {}))
-    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg, run_settings(cfg))
+    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg, settings)
     state_root = Path(settings.run.state_root or run / "client_state")
     device = torch.device("cpu")
     out: dict[str, dict[str, float]] = {}
     for cid in data.client_ids:
-        rnd = ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+        rnd = ClientRound(settings=settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                           input_shape=data.input_shape, device=device, server_round=last + 1)
         state, _ = ClientStateStore(state_root / cid).load(max_round=last)
         payload = trainer.receive(rnd, strategy.payload_for(cid), state)

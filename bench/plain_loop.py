@@ -20,15 +20,15 @@ import time
 def main(argv: list[str]) -> None:
     from client.handlers import trainer_class
     from client.round import ClientRound
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from common.methods import build_method_model
     from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean
     from learning.training import seed_everything
 
-    cfg = compose_config({}, argv)
-    settings = run_settings(cfg)
+    composed = compose_run({}, argv)
+    cfg, settings = composed.cfg, composed.settings
     run = settings.run
     if settings.strategy != "fedavg":
         raise SystemExit("the plain loop is FedAvg's; compare it with strategy=fedavg")

@@ -273,7 +273,7 @@ def bench_bytes(methods: list[str]) -> str:
     from flwr.app import Context, Message, MessageType, RecordDict
 
     from client import app as client_app
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from common.flower_compat import set_task_identity
     from learning.data import load_federated_data
     from server.app import build_strategy
@@ -290,8 +290,9 @@ def bench_bytes(methods: list[str]) -> str:
             run_config = {"strategy": name, "rounds": "1", "results-root": tmp, "run-name": name,
                           "overrides": "dataset.clients_per_domain=1 dataset.new_clients_per_domain=0 "
                                        "finetune.epochs=1"}
-            cfg = compose_config(run_config)
-            data = load_federated_data(cfg.dataset, run_settings(cfg).run.seed)
+            composed = compose_run(run_config)
+            cfg, settings = composed.cfg, composed.settings
+            data = load_federated_data(cfg.dataset, settings.run.seed)
             strategy = build_strategy(cfg, data)
             contexts = {cid: Context(run_id=1, node_id=int(cid) + 1,
                                      node_config={"partition-id": int(cid), "num-partitions": len(data.clients)},
@@ -302,7 +303,7 @@ def bench_bytes(methods: list[str]) -> str:
                     return client_app.train(msg, contexts[cid])
                 return client_app.evaluate(msg, contexts[cid])
 
-            run_federation(strategy, FakeGrid(data.client_ids, handler), run_settings(cfg), RunRecorder(cfg, run_settings(cfg), resume=False))
+            run_federation(strategy, FakeGrid(data.client_ids, handler), settings, RunRecorder(cfg, settings, resume=False))
             comm = json.loads((Path(tmp) / name / "metrics.jsonl").read_text().splitlines()[0])["communication"]
             down = sum(comm["bytes_down"].values()) / len(comm["bytes_down"])
             up = sum(comm["bytes_up"].values()) / len(comm["bytes_up"])

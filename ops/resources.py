@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig
-
-from common.config import ConfigError, run_settings
+from common.config import ConfigError
 
 ACTORS_PER_GPU = 8  # each client actor holds its own CUDA context (about 0.5 GB) and model
 
@@ -117,7 +115,7 @@ def check_client_resources(num_cpus: float, num_gpus: float, ray_address: str,
                           "out (an automatic share)")
 
 
-def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None,
+def resolve_gpu_share(device: str, num_clients: int, requested: float | None,
                       cpus_per_client: float, ray_cpus: int | None = None) -> float:
     """The ``client-resources-num-gpus`` of a simulation. Ray hides the GPU from actors that
     reserve none, so on a CUDA machine clients get a share unless told ``--num-gpus 0``;
@@ -125,7 +123,6 @@ def resolve_gpu_share(cfg: DictConfig, num_clients: int, requested: float | None
     import torch
 
     gpus = visible_gpus()
-    device = run_settings(cfg).run.device
     if device.startswith("cuda") and gpus == 0:
         raise ConfigError(f"device={device} but this machine has no CUDA GPU (torch "
                           f"{torch.__version__}); use device=auto (CUDA when present) or device=cpu")

@@ -15,9 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ComposedRun, ConfigError, compose_run
 from common.overrides import override_key, split_overrides, to_toml_run_config
 from learning.data import dataset_config, num_clients
 from learning.sources import DatasetError
@@ -71,7 +69,7 @@ class RunOptions:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[str], int]:
+def preflight(overrides: list[str]) -> tuple[ComposedRun, dict[str, str], list[str], int]:
     """Everything that can be checked before a Flower process starts (exit 2 on failure):
     the config, the dataset (the whole image tree for image folders: missing or empty
     folders, nested folders, unreadable images, too few images for the split), and the run
@@ -83,8 +81,8 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
 
     run_cfg, rest = split_overrides(expand_resume(list(overrides)))
     run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
-    cfg = compose_config(run_cfg, rest)
-    run = run_settings(cfg).run
+    composed = compose_run(run_cfg, rest)
+    cfg, run = composed.cfg, composed.settings.run
     if finished_summary(run.run_dir, run) is not None:
         raise RunFinished(run.run_dir)
     n = num_clients(cfg.dataset)
@@ -100,7 +98,7 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
     if not cache_holds(cfg.dataset, run.seed, cache_dir):
         fill_cache(cfg.dataset, run.seed, cache_dir)
     if run.resume:
-        run_cfg, rest = resume_overrides(cfg, run_cfg, rest)
+        run_cfg, rest = resume_overrides(composed, run_cfg, rest)
     run_dir = run.run_dir
     try:
         check_run_folder(run_dir, bool(run.resume), run.overwrite)
@@ -109,7 +107,7 @@ def preflight(overrides: list[str]) -> tuple[DictConfig, dict[str, str], list[st
     if lock_is_held(run_dir):
         raise ConfigError(f"{run_dir} is being written by another live run; wait for it to finish "
                           "or stop it, or choose another run_name")
-    return cfg, run_cfg, rest, n
+    return composed, run_cfg, rest, n
 
 
 @dataclass
@@ -153,7 +151,7 @@ class SimulationWatch:
         return True
 
 
-def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federation: str,
+def run_once(composed: ComposedRun, run_cfg: dict[str, str], rest: list[str], federation: str,
              keep: Path | None, attempt: int) -> Attempt:
     """Submit the run once on a private SuperLink; on any failure keep what explains it (the
     SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
@@ -162,7 +160,7 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
     from ops.recovery import death_reason, keep_evidence
     from server.loop import SimulationWorkerLost
 
-    run = run_settings(cfg).run
+    run = composed.settings.run
     run_dir = run.run_dir
     started = time.time()
     try:
@@ -170,7 +168,7 @@ def run_once(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], federati
             print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
             write_pid_file(run_dir, link)
             watch = SimulationWatch(link)
-            with run_progress(run_dir, run.rounds, f"{cfg.strategy.name} {run.run_name}") as bar, \
+            with run_progress(run_dir, run.rounds, f"{composed.settings.strategy} {run.run_name}") as bar, \
                     RunOutput(run_dir / RUN_LOG, bar, append=attempt > 1 or bool(run.resume)) as output:
                 code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,
                                 on_line=output)
@@ -220,9 +218,9 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     from server.run_folder import record_recovery
 
     try:
-        cfg, run_cfg, rest, n = preflight(overrides)
+        composed, run_cfg, rest, n = preflight(overrides)
         ray_cpus = options.cpus
-        num_gpus = resolve_gpu_share(cfg, n, options.num_gpus, options.num_cpus, ray_cpus)
+        num_gpus = resolve_gpu_share(composed.settings.run.device, n, options.num_gpus, options.num_cpus, ray_cpus)
         ray_address = use_ray_cluster(options.ray_address)
         check_client_resources(options.num_cpus, num_gpus, ray_address, ray_cpus)
     except RunFinished as done:
@@ -230,7 +228,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     except (ConfigError, DatasetError) as err:
         print(f"pflower: {err}", file=sys.stderr)
         return 2
-    settings = run_settings(cfg)
+    settings = composed.settings
     run_dir = settings.run.run_dir
     summary = run_dir / "summary.json"
     started = time.time()
@@ -238,7 +236,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     federation = simulation_config(n, options.num_cpus, num_gpus, ray_cpus if local else None,
                                    simulated_nodes(n, options.num_cpus, num_gpus, ray_cpus or usable_cpus(),
                                                    visible_gpus()) if local else None)
-    print(f"pflower: {cfg.strategy.name} on {cfg.dataset.name} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
+    print(f"pflower: {settings.strategy} on {settings.dataset} ({n} clients), {settings.run.rounds} rounds -> {run_dir}"
           + (f" ({number_text(num_gpus)} GPU per client)" if num_gpus else "")
           + ("" if ray_address == "local" else f" on the Ray cluster at {ray_address}"))
     keep = run_dir / "superlink" if options.keep_temp else None
@@ -246,7 +244,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     recoveries, last_round = 0, checkpoint_round(run_dir) if settings.run.resume else None
     try:
         while True:
-            attempt = run_once(cfg, run_cfg, rest, federation, keep, recoveries + 1)
+            attempt = run_once(composed, run_cfg, rest, federation, keep, recoveries + 1)
             if not attempt.died:
                 break
             after = checkpoint_round(run_dir)
@@ -263,7 +261,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
             record_recovery(run_dir, after, attempt.died, attempt.evidence)
             print(f"pflower: recovering ({recoveries} of at most {max_recoveries}): resuming {run_dir} "
                   f"from its checkpoint of round {after}", file=sys.stderr, flush=True)
-            cfg, run_cfg, rest = resume_config(run_dir)
+            composed, run_cfg, rest = resume_config(run_dir)
     except LaunchError as err:
         print(f"pflower: could not start the simulation: {err}", file=sys.stderr)
         return 3
@@ -281,7 +279,7 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     if not summary.exists() or summary.stat().st_mtime < started:
         return report_failure(run_dir, f"run did not complete (flwr exit code {code}, no fresh "
                                        f"{summary}); its log: {run_dir / 'run.log'}")
-    new_clients = settings.strategy == "fedbasis" and dataset_config(cfg.dataset).new_clients_per_domain > 0
+    new_clients = settings.strategy == "fedbasis" and dataset_config(composed.cfg.dataset).new_clients_per_domain > 0
     protocol = settings.personalize
     if new_clients and not protocol.after_run:
         print(f"pflower: the new clients are not personalised (personalize.after_run=false); "
@@ -305,14 +303,14 @@ def run_configuration(overrides: list[str], options: RunOptions) -> int:
     return report_done(s, summary)
 
 
-def resume_config(run_dir: Path) -> tuple[DictConfig, dict[str, str], list[str]]:
+def resume_config(run_dir: Path) -> tuple[ComposedRun, dict[str, str], list[str]]:
     """The configuration that resumes ``run_dir`` (its saved overrides plus ``resume=``), as
     ``pflower run resume=<run_dir>`` composes it."""
     from ops.recovery import expand_resume
 
     run_cfg, rest = split_overrides(expand_resume([f"resume={run_dir}"]))
-    run_cfg, rest = resume_overrides(compose_config(run_cfg, rest), run_cfg, rest, quiet=True)
-    return compose_config(run_cfg, rest), run_cfg, rest
+    run_cfg, rest = resume_overrides(compose_run(run_cfg, rest), run_cfg, rest, quiet=True)
+    return compose_run(run_cfg, rest), run_cfg, rest
 
 
 def report_done(s: dict, summary: Path) -> int:
@@ -430,7 +428,7 @@ def stale_processes(run_dir: Path) -> None:
         kill_tree(pgid)
 
 
-def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], quiet: bool = False
+def resume_overrides(composed: ComposedRun, run_cfg: dict[str, str], rest: list[str], quiet: bool = False
                      ) -> tuple[dict[str, str], list[str]]:
     """``resume=<run dir>``: verify the folder and its checkpoint (checksum, strategy,
     model, dataset, seed, clients, round) before anything starts, and make the resumed run
@@ -438,13 +436,13 @@ def resume_overrides(cfg: DictConfig, run_cfg: dict[str, str], rest: list[str], 
     from server.checkpoint import CheckpointError, check_checkpoint
     from server.loop import checkpoint_identity
 
-    settings = run_settings(cfg)
+    settings = composed.settings
     run = settings.run
     run_dir = Path(run.resume)
     if not run_dir.is_dir():
         raise ConfigError(f"resume={run_dir} is not a run folder; give the path of an earlier run")
     try:
-        last = check_checkpoint(run_dir, checkpoint_identity(settings, num_clients(cfg.dataset)), run.rounds)
+        last = check_checkpoint(run_dir, checkpoint_identity(settings, num_clients(composed.cfg.dataset)), run.rounds)
     except CheckpointError as err:
         raise ConfigError(f"cannot resume: {err}") from err
     if not quiet:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_run
 from common.overrides import expand_grid, override_key, split_overrides
 from ops.options import batch_options, overrides_help, run_options
 from ops.resources import core_groups, cpus_per_run, number_text, pin_to, ray_cluster, usable_cores
@@ -26,8 +26,7 @@ def run_folder(combo: list[str]) -> tuple[Path, bool]:
 
     run_cfg, rest = split_overrides(combo)
     root = Path(run_cfg.get("results-root", "results")).resolve()
-    cfg = compose_config({**run_cfg, "results-root": str(root)}, rest)
-    run = run_settings(cfg).run
+    run = compose_run({**run_cfg, "results-root": str(root)}, rest).settings.run
     folder = root / run.run_name
     return folder, finished_summary(folder, run) is not None
 

@@ -202,7 +202,7 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     """FedAvg's and FedProx's personalised model is the global model as sent: its numbers are
     the global reference's, from one test and one validation pass (two passes, not four);
     Ditto's (its own model) is another model, tested apart (here with its stored statistics)."""
-    import client.trainer as trainer_module
+    import client.round as round_module  # every test/validation pass of a trainer runs there
 
     cfg = compose_config({"strategy": strategy}, ["eval_bn_statistics=stored", "eval_bn_compare=false"])
     rnd = _round(cfg)
@@ -213,8 +213,8 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     assert isinstance(trainer, DittoTrainer if strategy == "ditto" else ClientTrainer)
     state = trainer.fit(rnd, payload, {}).state
     calls: list[int] = []
-    real = trainer_module.evaluate
-    monkeypatch.setattr(trainer_module, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = round_module.evaluate
+    monkeypatch.setattr(round_module, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = trainer.evaluate(rnd, payload, state)
     assert len(calls) == passes
     glob = {k: evaluate(model, split, CPU, class_weights=rnd.data.class_weights)[m]

@@ -160,15 +160,14 @@ def test_the_run_check_builds_a_config_once_then_finds_it_in_the_cache(tmp_path,
     """``pflower run`` checks a config by building its splits; once the cache holds them it
     builds nothing (the build and its imports were 5 s of every run's start-up), and a cache
     missing a client's file is built again."""
-    from common.config import run_settings
     from ops.running import preflight
 
     built = []
     real = data_cache.fill_cache
     monkeypatch.setattr(data_cache, "fill_cache", lambda *args: built.append(1) or real(*args))
     overrides = [f"data_cache={tmp_path / 'cache'}", f"results_root={tmp_path / 'results'}"]
-    cfg, *_ = preflight(overrides)
-    seed = run_settings(cfg).run.seed
+    composed, *_ = preflight(overrides)
+    cfg, seed = composed.cfg, composed.settings.run.seed
     assert built == [1] and data_cache.cache_holds(cfg.dataset, seed, tmp_path / "cache")
     preflight(overrides)
     assert built == [1]

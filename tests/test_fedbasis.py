@@ -259,7 +259,7 @@ def test_new_client_personalisation_changes_only_its_logits_and_classifier(data,
 def test_the_lr_sweep_moves_the_coefficients_lr_like_the_classifiers(data, monkeypatch, swept: float) -> None:
     """Like for like with FedAvg+FT's whole-model sweep: at each swept lr the logits learn at
     swept x coeff_lr / train.lr (the training ratio), the classifier at the swept lr itself."""
-    import client.trainer as ct
+    import client.finetune as ct  # the personalisation curve makes its optimiser there
 
     cfg = _cfg("strategy.coeff_lr=1.0", "train.lr=0.05")
     trainer = FedBasisTrainer(cfg, run_settings(cfg))

@@ -374,7 +374,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from common.config import ConfigError, compose_config, run_settings
+    from common.config import ConfigError, compose_run
     from common.overrides import expand_grid, split_overrides, to_toml_run_config
     from learning.data import num_clients
     from learning.data_cache import fill_cache, resolve_cache_dir
@@ -389,8 +389,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         for combo in expand_grid(list(args.overrides)):
             run_cfg, rest = split_overrides(expand_resume(combo, "pflower deploy"))
             run_cfg["results-root"] = str(Path(run_cfg.get("results-root", "results")).resolve())
-            cfg = compose_config(run_cfg, rest)
-            run = run_settings(cfg).run
+            composed = compose_run(run_cfg, rest)
+            cfg, run = composed.cfg, composed.settings.run
             n = num_clients(cfg.dataset)
             if nodes == 0:
                 nodes = n
