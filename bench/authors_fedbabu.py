@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = strategy.payload_for("0")
     rnd0 = ClientRound(settings=settings, client_id="0", data=data.client("0"), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
-                       config=strategy.train_config)
+                       message_config=dict(strategy.train_config))
     ours_model = trainer.new_model(rnd0)
     from learning.params import set_arrays
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, cid in enumerate(data.client_ids[:3]):
         rnd = ClientRound(settings=settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                           input_shape=data.input_shape, device=torch.device("cpu"), server_round=1,
-                          config=strategy.train_config)
+                          message_config=dict(strategy.train_config))
         sent = strategy.payload_for(cid)
         with recorded_training() as drawn:
             result = trainer.fit(rnd, sent, {})

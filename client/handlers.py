@@ -137,19 +137,22 @@ def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[C
 
 
 # A trainer holds its configuration, settings and checked options, nothing of a client: a
-# process makes one trainer per run configuration (its composition's key), not one per message.
-_TRAINERS: dict[str, ClientTrainer] = {}
+# process makes one trainer per composed run configuration, not one per message. Kept under the
+# composition's key with the composition it was made from: a configuration composed again (after
+# compose_run's cache let it go) may differ (an image tree's domains are read from disk), so it
+# gets a trainer of its own.
+_TRAINERS: dict[str, tuple[ComposedRun, ClientTrainer]] = {}
 
 
 def trainer_for(composed: ComposedRun) -> ClientTrainer:
     """This process' trainer of the composed run configuration (made on first use)."""
-    trainer = _TRAINERS.get(composed.key)
-    if trainer is None:
+    kept = _TRAINERS.get(composed.key)
+    if kept is None or kept[0] is not composed:
         if len(_TRAINERS) >= 16:    # as many as compose_run keeps
             _TRAINERS.clear()
         cls = trainer_class(composed.settings.strategy, composed.cfg.strategy)
-        trainer = _TRAINERS[composed.key] = cls(composed.cfg, composed.settings)
-    return trainer
+        kept = _TRAINERS[composed.key] = (composed, cls(composed.cfg, composed.settings))
+    return kept[1]
 
 
 def _state_scope(rnd: ClientRound, context: Context) -> dict[str, Any]:

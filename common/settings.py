@@ -286,8 +286,8 @@ class PrivacySettings:
 @dataclass(frozen=True)
 class Settings:
     """One composed run's settings, typed: what every module reads instead of casting the
-    ``DictConfig`` (``int(cfg.seed)``). Composition builds it once per configuration
-    (``common/config.py: run_settings``); the groups that depend on the choice (``dataset``,
+    ``DictConfig`` (``int(cfg.seed)``). Composition reads it once per configuration
+    (``common/config.py: compose_run``, which hands it down with the config as a ``ComposedRun``); the groups that depend on the choice (``dataset``,
     ``model``, ``strategy``) keep their typed readers beside their registries, and only their
     names are here."""
 

@@ -52,7 +52,7 @@ def subset_train(split: ClientSplit, share: float, seed: int) -> ClientSplit:
 
 
 def load_run_config(run: Path) -> DictConfig:
-    """A finished run's ``config.yaml``, read-only (its typed settings are read once); a run
+    """A finished run's ``config.yaml``, read-only; a run
     made before the ``personalize`` group existed takes the current defaults for it."""
     if not (run / "config.yaml").exists():
         raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")

@@ -131,11 +131,12 @@ def test_a_process_makes_one_trainer_per_configuration() -> None:
     fedavg, ditto = compose_run({}, []), compose_run({"strategy": "ditto"}, [])
     first = trainer_for(fedavg)
     assert trainer_for(compose_run({}, [])) is first and type(first) is ClientTrainer
-    # the key is the composition's, not the object's: the same configuration composed again
-    # (the composition cache dropped, so a new object) shares the trainer too
+    # composed again after the composition cache let it go (it may read other files now: an
+    # image tree's domains), the configuration gets a trainer of its own, made from it
     _compose_cached.cache_clear()
     again = compose_run({}, [])
-    assert again is not fedavg and trainer_for(again) is first
+    assert again is not fedavg and again.key == fedavg.key
+    assert trainer_for(again) is not first and trainer_for(again).cfg is again.cfg
     other = trainer_for(ditto)
     assert isinstance(other, DittoTrainer) and other.cfg is ditto.cfg and first.cfg is fedavg.cfg
     assert other.settings is ditto.settings and other.settings.strategy == "ditto"
