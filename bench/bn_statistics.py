@@ -46,7 +46,7 @@ def both_protocols(run: Path) -> dict[str, dict[str, float]]:
     data = load_federated_data(cfg.dataset, settings.run.seed)
     strategy = build_strategy(cfg, data)
     strategy.load_state(groups, meta.get("strategy_state", {}))
-    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg, settings)
+    trainer = trainer_class(settings.method)(cfg, settings)
     state_root = Path(settings.run.state_root or run / "client_state")
     device = torch.device("cpu")
     out: dict[str, dict[str, float]] = {}

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     device = resolve_device(run.device)
     set_deterministic(run.deterministic)
     seed_everything(run.seed)
-    trainer = trainer_class("fedavg", cfg.strategy)(cfg, settings)
+    trainer = trainer_class(settings.method)(cfg, settings)
     global_arrays = get_arrays(build_method_model(cfg, data.input_shape, data.num_classes))
     states: dict[str, dict] = {}
     print(json.dumps({"ready": time.time()}), flush=True)

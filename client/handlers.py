@@ -8,7 +8,6 @@ Identity and data come from the node: ``partition-id`` (simulation) or ``client-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from client.round import ClientRound
 from client.state import ClientStateStore
 from client.trainer import ClientTrainer
 from common.config import ComposedRun, compose_run
-from common.methods import load_named, method
+from common.methods import ResolvedMethod, load_named
 from common.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -130,9 +129,9 @@ def _round(msg: Message, context: Context) -> tuple[Any, ClientRound, ClientStat
     return trainer, rnd, store
 
 
-def trainer_class(name: str, options: Mapping[str, Any] | None = None) -> type[ClientTrainer]:
-    """The client trainer class of method ``name`` (its variant's when ``options`` sets one)."""
-    cls: type[ClientTrainer] = load_named(method(name, options).client)
+def trainer_class(resolved: ResolvedMethod) -> type[ClientTrainer]:
+    """The client trainer class of the resolved method (its variant's when its options set one)."""
+    cls: type[ClientTrainer] = load_named(resolved.row.client)
     return cls
 
 
@@ -150,7 +149,7 @@ def trainer_for(composed: ComposedRun) -> ClientTrainer:
     if kept is None or kept[0] is not composed:
         if len(_TRAINERS) >= 16:    # as many as compose_run keeps
             _TRAINERS.clear()
-        cls = trainer_class(composed.settings.strategy, composed.cfg.strategy)
+        cls = trainer_class(composed.settings.method)
         kept = _TRAINERS[composed.key] = (composed, cls(composed.cfg, composed.settings))
     return kept[1]
 

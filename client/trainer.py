@@ -29,7 +29,7 @@ from client.finetune import (
     finetunes_this_round,
 )
 from client.round import ClientRound, evaluate_splits
-from common.methods import build_method_model, method_options, parameter_roles
+from common.methods import build_method_model, roles_of
 from common.roles import FROZEN, KEPT, LOCAL, PERSONAL, UPLOADED, keys_with
 from common.settings import BN_OWN, Settings
 from common.timing import part
@@ -103,15 +103,15 @@ class ClientTrainer:
         model and the options), ``settings`` its typed settings, read once at composition."""
         self.cfg = cfg
         self.settings = settings
-        self.options = method_options(cfg.strategy)
+        self.options = settings.method.options
 
     # ---------------------------------------------------------------- model pieces
     def new_model(self, rnd: ClientRound) -> nn.Module:
         return build_method_model(self.cfg, rnd.input_shape, rnd.num_classes)
 
     def roles(self, model: nn.Module) -> dict[str, str]:
-        """``{state-dict key: role}`` of this method (``common.methods.parameter_roles``)."""
-        return parameter_roles(self.cfg.strategy, model)
+        """``{state-dict key: role}`` of this method (its row's role rule, ``common.methods.roles_of``)."""
+        return roles_of(self.settings.method.row, model)
 
     def trainable(self, model: nn.Module) -> Callable[[str], bool] | None:
         frozen = set(keys_with(self.roles(model), FROZEN))

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from common.errors import ConfigError
-from common.methods import ROW_KEY, method, method_options, not_private
+from common.methods import ROW_KEY, method, method_options, not_private, resolve_method
 from common.overrides import (
     hydra_override_parser,
     override_key,
@@ -462,11 +462,11 @@ def run_settings(cfg: DictConfig) -> Settings:
     :class:`ConfigError` naming it."""
     try:
         typed = {name: read_typed(*args) for name, args in _typed_groups(cfg).items()}
+        resolved = resolve_method(cfg.strategy)
     except ValueError as err:
         raise ConfigError(f"invalid configuration: {err}") from None
-    settings = Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
-                        personalize=typed["personalize"], privacy=typed["privacy"], strategy=str(cfg.strategy.name),
-                        dataset=str(cfg.dataset.name), model=str(cfg.model.name))
-    return settings
+    return Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
+                    personalize=typed["personalize"], privacy=typed["privacy"], method=resolved,
+                    dataset=str(cfg.dataset.name), model=str(cfg.model.name))
 
 

@@ -105,11 +105,37 @@ def method(name: str, options: Mapping[str, Any] | None = None) -> Method:
     return row
 
 
+@dataclass(frozen=True)
+class ResolvedMethod:
+    """The configured method, resolved once at composition (``Settings.method``): its row with
+    the variant its options select applied, and its options checked and typed. The two app
+    edges load its classes (``row.server``, ``row.client``); strategies and trainers read
+    ``options``, never the ``strategy`` mapping."""
+
+    row: Method
+    options: MethodOptions
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    def not_private(self) -> str:
+        """Why this method, in these settings, needs each client's own upload at the server, so
+        that neither DP of the mean nor secure aggregation applies; "" when it can take both. Its
+        YAML row's ``not_private`` (the whole method) or its options' (some settings of it)."""
+        return self.row.not_private or self.options.not_private()
+
+
+def resolve_method(strategy: Mapping[str, Any]) -> ResolvedMethod:
+    """The configured method (``cfg.strategy``) resolved: its row, variant applied, and its
+    options validated (a missing, unknown or out-of-range option raises, naming the fix)."""
+    row = method(str(strategy["name"]), strategy)
+    return ResolvedMethod(row, read_options(load_named(row.options), strategy))
+
+
 def not_private(strategy: Mapping[str, Any]) -> str:
-    """Why the configured method (``cfg.strategy``) needs each client's own upload at the server,
-    so that neither DP of the mean nor secure aggregation applies; "" when it can take both. Its
-    YAML row's ``not_private`` (the whole method) or its options' (some settings of it)."""
-    return method(str(strategy["name"]), strategy).not_private or method_options(strategy).not_private()
+    """:meth:`ResolvedMethod.not_private` of the configured method (``cfg.strategy``)."""
+    return resolve_method(strategy).not_private()
 
 
 def load_named(path: str) -> Any:
@@ -126,8 +152,7 @@ def load_named(path: str) -> Any:
 
 def method_options(strategy: Mapping[str, Any]) -> MethodOptions:
     """The validated options object of the configured strategy (``cfg.strategy``)."""
-    name = str(strategy["name"])
-    return read_options(load_named(method(name, strategy).options), strategy)
+    return resolve_method(strategy).options
 
 
 # built models per process: (key) -> (template, last seed set, CPU RNG state after building)
@@ -169,8 +194,9 @@ def build_method_model(cfg: Mapping[str, Any], input_shape: tuple[int, int, int]
         seed_torch(seeds[-1])
         return build_model(cfg["model"], input_shape, num_classes)
 
-    row = method(str(cfg["strategy"]["name"]), cfg["strategy"])
-    model = make(0) if not row.wrapper else load_named(row.wrapper)(make, method_options(cfg["strategy"]))
+    resolved = resolve_method(cfg["strategy"])
+    wrapper = resolved.row.wrapper
+    model = make(0) if not wrapper else load_named(wrapper)(make, resolved.options)
     _BUILT[key] = (copy.deepcopy(model), seeds[-1], torch.get_rng_state())
     while len(_BUILT) > _BUILT_MAX:
         _BUILT.popitem(last=False)
@@ -188,7 +214,11 @@ def _plain(node: Any) -> Any:
 
 def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, str]:
     """``{state-dict key: role}`` of ``model`` under the configured strategy."""
+    return roles_of(method(str(strategy["name"]), strategy), model)
+
+
+def roles_of(row: Method, model: nn.Module) -> dict[str, str]:
+    """``{state-dict key: role}`` of ``model`` under the method row ``row`` (its role rule)."""
     from common.roles import roles_by_rule
 
-    rule = method(str(strategy["name"]), strategy).roles
-    return roles_by_rule(rule, model, load_named(rule) if ":" in rule else None)
+    return roles_by_rule(row.roles, model, load_named(row.roles) if ":" in row.roles else None)

@@ -16,7 +16,7 @@ frozen   the payload / private   never trains, never         sends it (once), ne
          state                    uploads                     changes it
 ======== ======================= ========================== ===========================
 
-:func:`parameter_roles` is the single place that says which key has which role; the
+``common.methods.roles_of`` is the single place that says which key has which role; the
 rule of each method is named in the method table (``common/methods.py``). Everything
 else (what a client keeps, trains and uploads; what the server averages, mixes per
 client or rejects) is derived from it.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.methods import ResolvedMethod
 from learning.typed import check, finite, one_of
 
 if TYPE_CHECKING:
@@ -288,14 +289,19 @@ class Settings:
     """One composed run's settings, typed: what every module reads instead of casting the
     ``DictConfig`` (``int(cfg.seed)``). Composition reads it once per configuration
     (``common/config.py: compose_run``, which hands it down with the config as a ``ComposedRun``); the groups that depend on the choice (``dataset``,
-    ``model``, ``strategy``) keep their typed readers beside their registries, and only their
-    names are here."""
+    ``model``) keep their typed readers beside their registries, and only their names are here;
+    the method is resolved (its row, variant applied, and its typed options)."""
 
     run: RunKeys
     train: TrainSettings
     finetune: FinetuneSettings
     personalize: PersonalizeSettings
     privacy: PrivacySettings
-    strategy: str
+    method: ResolvedMethod
     dataset: str
     model: str
+
+    @property
+    def strategy(self) -> str:
+        """The configured method's name (``strategy.name``)."""
+        return self.method.name

@@ -79,7 +79,7 @@ def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: 
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no new clients; run with "
                          "dataset.new_clients_per_domain >= 1")
-    trainer = trainer_class(settings.strategy, cfg.strategy)(cfg, settings)
+    trainer = trainer_class(settings.method)(cfg, settings)
     device = resolve_device(settings.run.device)
     opt = protocol.optim(settings.train, lrs[0])
     results: dict[str, Any] = {}
@@ -134,7 +134,7 @@ def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None
     cfg = load_run_config(run)
     last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
     typed = run_settings(cfg)
-    trainer = trainer_class(typed.strategy, cfg.strategy)(cfg, typed)
+    trainer = trainer_class(typed.method)(cfg, typed)
     data = load_federated_data(cfg.dataset, typed.run.seed)
     if not data.new_clients:
         raise ValueError(f"dataset {cfg.dataset.name!r} of {run} has no held-out clients; run with "

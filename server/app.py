@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
@@ -10,6 +11,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
+from threadpoolctl import threadpool_limits
 
 from common.config import ConfigError, compose_run, run_settings
 from common.flower_compat import (
@@ -18,7 +20,7 @@ from common.flower_compat import (
     log_refusals_as_one_line,
     shorten_object_pull_backoff,
 )
-from common.methods import build_method_model, load_named, method
+from common.methods import ResolvedMethod, build_method_model, load_named
 from common.overrides import run_config_to_overrides
 from common.settings import RunKeys
 from learning.data import FederatedData
@@ -39,9 +41,9 @@ class RunRefused(RuntimeError):
     the SuperLink with this message, logged as one line."""
 
 
-def strategy_class(name: str, options: Mapping[str, Any] | None = None) -> type[PersonalizedStrategy]:
-    """The server Strategy class of method ``name`` (its variant's when ``options`` sets one)."""
-    cls: type[PersonalizedStrategy] = load_named(method(name, options).server)
+def strategy_class(resolved: ResolvedMethod) -> type[PersonalizedStrategy]:
+    """The server Strategy class of the resolved method (its variant's when its options set one)."""
+    cls: type[PersonalizedStrategy] = load_named(resolved.row.server)
     return cls
 
 
@@ -63,11 +65,10 @@ def build_strategy(cfg: DictConfig, data: FederatedData | DataSummary) -> Person
     """Initial model from the run seed, then the configured strategy around it."""
     model = build_method_model(cfg, data.input_shape, data.num_classes)
     settings = run_settings(cfg)
-    cls = strategy_class(settings.strategy, cfg.strategy)
+    cls = strategy_class(settings.method)
     return cls(initial_arrays=get_arrays(model), client_ids=data.client_ids,
                run=RunSettings.from_run_keys(settings.run, len(data.client_ids), settings.privacy),
-               options=dict(cfg.strategy),
-               model=model, data=data)
+               method=settings.method, model=model, data=data)
 
 
 def client_info(data: FederatedData | DataSummary) -> dict[str, dict[str, object]]:
@@ -90,8 +91,31 @@ def say_finished(run: RunKeys) -> bool:
     return True
 
 
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """numpy's BLAS on one thread in the ServerApp's process, for the whole run.
+
+    OpenBLAS's fork handler stops its thread pool; a fork in any thread of the process (Ray
+    starting its processes, a subprocess) while another thread waits in a threaded BLAS call
+    leaves that call waiting for ever (OpenBLAS issues #294, #2270, #5520). The ServerApp's
+    math calls BLAS on vectors of a model's size (FedBasis' cosines of its bases, FEDORA's
+    similarities), which OpenBLAS threads, so a run hung in ``FedBasis.__init__`` on a busy
+    2-core machine (issue 65). One thread runs no pool, so no fork can stop it; the cost is
+    nothing at the sizes the server sees, and the server's sums no longer depend on the
+    machine's core count. torch keeps its own threads (its BLAS is not numpy's)."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The ServerApp: one run, its BLAS on one thread (:func:`one_blas_thread`)."""
+    with one_blas_thread():
+        serve(grid, context)
+
+
+def serve(grid: Grid, context: Context) -> None:
+    """Compose the run, build its strategy, run the rounds, write the summary."""
     check_flower_version()
     shorten_object_pull_backoff()   # replies' arrays: see common/flower_compat.py
     index_undelivered_messages()    # the simulation's message lookup, linear in the clients (item 7)

@@ -28,7 +28,6 @@ rounds need, saved by :meth:`state`) and, if it needs to, :meth:`payload_for`,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Iterable, Mapping
@@ -43,7 +42,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from common.methods import method, method_options, parameter_roles
+from common.methods import ResolvedMethod, roles_of
 from common.options import MethodOptions
 from common.privacy import budget_problem
 from common.protocol import EVAL_METRICS_KEY, client_sort_key, to_record
@@ -214,8 +213,8 @@ class PersonalizedStrategy(Strategy):
         upload must match in names, shapes and dtypes).
     client_ids : the run's participating clients.
     run : the run keys (:class:`RunSettings`).
-    options : the method's options (``cfg.strategy``: ``name``, ``weighted`` and its own keys,
-        validated into ``self.options``, its typed options class).
+    method : the configured method, resolved at composition (``Settings.method``): its row
+        (the role rule) and its typed options (``self.options``).
     model : the initial torch model, for methods that split parameters by role.
     data : the data summary (client sizes, domains, input shape), for methods that need it.
     """
@@ -250,15 +249,16 @@ class PersonalizedStrategy(Strategy):
     carried_state: ClassVar[tuple[str, ...]] = ("global_arrays", "personal", "rng", "directory", "privacy")
 
     def __init__(self, initial_arrays: NDArrays, client_ids: list[str], run: RunSettings,
-                 options: Mapping[str, Any], model: nn.Module | None = None, data: Any = None) -> None:
+                 method: ResolvedMethod, model: nn.Module | None = None, data: Any = None) -> None:
         self.global_arrays: NDArrays = dict(initial_arrays)
         self.reference: NDArrays = {k: np.asarray(v) for k, v in initial_arrays.items()}
         self.client_ids = list(client_ids)
         self.personal: dict[str, NDArrays] = {}
         self.run = run
-        self.options: MethodOptions = method_options(dict(options))
+        self.method = method
+        self.options: MethodOptions = method.options
         self.weighted = self.options.weighted
-        self.roles: dict[str, str] = parameter_roles(dict(options), model) if model is not None else {}
+        self.roles: dict[str, str] = roles_of(method.row, model) if model is not None else {}
         self.model, self.data = model, data
         self.train_config: dict[str, Any] = {}    # keys a method adds to every message
         self.rng = random.Random(run.seed)
@@ -279,7 +279,7 @@ class PersonalizedStrategy(Strategy):
         ``privacy.max_epsilon`` with this run's clients."""
         if settings is None or not settings.enabled:
             return None
-        why = method(self.name, dataclasses.asdict(self.options)).not_private or self.options.not_private()
+        why = self.method.not_private()
         if why:
             raise ValueError(f"privacy.dp={settings.dp} does not apply to {self.name}: {why}")
         if settings.distributed and not settings.secure:
@@ -298,7 +298,7 @@ class PersonalizedStrategy(Strategy):
         counters) are not averaged and keep the global value."""
         if settings is None or not settings.secure:
             return None
-        why = method(self.name, dataclasses.asdict(self.options)).not_private or self.options.not_private()
+        why = self.method.not_private()
         if why:
             raise ValueError(f"privacy.secure_aggregation=secagg+ does not apply to {self.name}: {why}")
         shared = keys_with(self.roles, SHARED) if self.roles else list(self.reference)

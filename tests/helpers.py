@@ -14,6 +14,7 @@ from typing import Any
 from flwr.app import Error, Message, MessageType
 
 from client.identity import serves
+from common.methods import resolve_method
 from common.protocol import CONFIG_KEY, NUM_PARTITIONS, TARGET_CLIENT, make_reply
 from learning.params import NDArrays
 from strategies.base import PersonalizedStrategy, RunSettings, TrainRound
@@ -144,9 +145,10 @@ def make_strategy(cls: type[PersonalizedStrategy], initial_arrays: NDArrays, cli
                   options: Mapping[str, Any] | None = None, model: Any = None, data: Any = None,
                   **run: Any) -> PersonalizedStrategy:
     """``cls`` around ``initial_arrays`` with :func:`run_settings` (``run`` overrides them);
-    ``options`` default to FedAvg's (sample-weighted means)."""
+    ``options`` (a ``cfg.strategy`` mapping, resolved here as composition resolves it) default
+    to FedAvg's (sample-weighted means)."""
     return cls(initial_arrays=initial_arrays, client_ids=client_ids, run=run_settings(**run),
-               options=dict(options or {"name": "fedavg", "weighted": True}), model=model, data=data)
+               method=resolve_method(options or {"name": "fedavg", "weighted": True}), model=model, data=data)
 
 
 def model_config(name: str, **overrides: Any) -> dict[str, Any]:

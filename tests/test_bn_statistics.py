@@ -209,7 +209,7 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    trainer = trainer_class(strategy, cfg.strategy)(cfg, run_settings(cfg))
+    trainer = trainer_class(run_settings(cfg).method)(cfg, run_settings(cfg))
     assert isinstance(trainer, DittoTrainer if strategy == "ditto" else ClientTrainer)
     state = trainer.fit(rnd, payload, {}).state
     calls: list[int] = []

@@ -238,7 +238,7 @@ def test_fedprox_body_only_freezes_head(setup):
     assert type(strategy) is FedBABU and strategy.name == "fedprox", "body_only must select FedBABU's server rule"
     assert strategy.head_init == "orthogonal"
     payload = strategy.payload_for("0")
-    trainer = trainer_class("fedprox", cfg2.strategy)(cfg2, run_settings(cfg2))
+    trainer = trainer_class(run_settings(cfg2).method)(cfg2, run_settings(cfg2))
     assert isinstance(trainer, FedProxBABUTrainer) and trainer.finetunes
     res = trainer.fit(_rnd(cfg2, data, "0", 1, {}), payload, {})
     assert not set(res.upload) & set(HEAD_KEYS)
@@ -246,7 +246,7 @@ def test_fedprox_body_only_freezes_head(setup):
     for k in HEAD_KEYS:  # the head is FedBABU's fixed head and stays bitwise fixed
         np.testing.assert_array_equal(res.state["head/" + k], strategy.head[k])
     plain = compose_config({"strategy": "fedprox"})
-    assert trainer_class("fedprox", plain.strategy) is FedProxTrainer
+    assert trainer_class(run_settings(plain).method) is FedProxTrainer
     assert not FedProxTrainer(plain, run_settings(plain)).finetunes
 
 

@@ -374,7 +374,7 @@ def test_in_process_federation_digits_rotated(tmp_path):
     data = load_federated_data(cfg.dataset, 0)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     s = FEDORA(initial_arrays=get_arrays(model), client_ids=data.client_ids,
-               run=RunSettings.from_run_keys(run_settings(cfg).run, 1), options=dict(cfg.strategy), model=model, data=data)
+               run=RunSettings.from_run_keys(run_settings(cfg).run, 1), method=run_settings(cfg).method, model=model, data=data)
     trainer = FEDORATrainer(cfg, run_settings(cfg))
     states: dict[str, dict] = {c: {} for c in data.client_ids}
     accs = []
