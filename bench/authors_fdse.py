@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.trainer import unprefixed
     from common.config import compose_run
     from common.methods import method_options
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from learning.params import get_arrays, set_arrays
     from server.app import build_strategy
     from strategies.base import ClientUpdate, TrainRound

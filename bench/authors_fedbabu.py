@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.fedbabu import FedBABUTrainer
     from client.round import ClientRound
     from common.config import compose_run
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from server.app import build_strategy
     from strategies.base import ClientUpdate, TrainRound
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.trainer import MODEL_PREFIX
     from common.config import compose_run
     from common.methods import method_options
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from learning.models import build_model
     from learning.params import get_arrays
     from learning.training import OptimConfig, make_loader, train_epochs

@@ -53,7 +53,7 @@ def their_clients(name: str, root: Path, num_clients: int, seed: int) -> tuple[n
 
 def our_clients(experiment: str, root: Path, seed: int) -> tuple[list[float], list[dict], list[dict]]:
     from common.config import compose_config
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
 
     cfg = compose_config({}, [f"experiment={experiment}", f"dataset.root={root.resolve()}", f"seed={seed}"])
     data = load_federated_data(cfg.dataset, seed)

@@ -19,7 +19,7 @@ import torch
 from client.baselines import DittoTrainer
 from client.round import ClientRound
 from common.config import compose_run
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
 

@@ -30,7 +30,7 @@ from client.handlers import trainer_class
 from client.round import ClientRound
 from client.state import ClientStateStore
 from common.config import run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.training import evaluate
 from ops.personalize import load_run_config
 from server.app import build_strategy

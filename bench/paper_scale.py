@@ -6,7 +6,7 @@
 
 Each setting is its experiment file run unchanged with ``dataset.synthetic=true`` (generated
 images of the real dataset's shape: clients, classes, samples per domain, image size; see
-``learning/sources.py: SyntheticImages``) for 2 rounds through ``pflower run``. FedBasis' warm-up
+``learning/datasets/sources.py: SyntheticImages``) for 2 rounds through ``pflower run``. FedBasis' warm-up
 is one round (``strategy.warm_fraction=0.5``) so that round 2 follows the K-means seeding.
 
 Measured: seconds of round 2 (training, the carried evaluation of round 1, aggregation; from

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     from client.round import ClientRound
     from common.config import compose_run
     from common.methods import build_method_model
-    from learning.data_cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
+    from learning.datasets.cache import cache_key, fill_cache, load_client_data, resolve_cache_dir
     from learning.models import resolve_device, set_deterministic
     from learning.params import get_arrays, weighted_mean
     from learning.training import seed_everything

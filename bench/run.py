@@ -275,7 +275,7 @@ def bench_bytes(methods: list[str]) -> str:
     from client import app as client_app
     from common.config import compose_run
     from common.flower_compat import set_task_identity
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
     from server.results import RunRecorder

@@ -34,7 +34,7 @@ from torch import nn
 from client.round import ClientRound
 from client.trainer import ClientTrainer, LocalRound, prefixed, unprefixed
 from common.roles import LOCAL, PERSONAL, keys_with
-from learning.data import ClientSplit
+from learning.datasets.federated import ClientSplit
 from learning.fdse_model import (
     adaptation_mode,
     consistency_loss,

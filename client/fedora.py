@@ -93,7 +93,7 @@ class FEDORATrainer(ClientTrainer):
         xs, ys = [], []
         for x, y in DataLoader(rnd.data.train, batch_size=512, shuffle=False):
             if self.options.basis_inputs == "unit" and self.cfg.dataset.input_range == "symmetric":
-                x = x * 0.5 + 0.5   # undo learning.sources.normalise's (x - 0.5) / 0.5
+                x = x * 0.5 + 0.5   # undo learning.datasets.sources.normalise's (x - 0.5) / 0.5
             xs.append(x.reshape(len(x), -1).numpy())
             ys.append(y.numpy())
         if not xs:

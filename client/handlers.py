@@ -36,7 +36,7 @@ from common.protocol import (
 from common.secure_aggregation import CLIPPED_METRIC, COLLECT, MASKED_RECORD
 from common.settings import Settings
 from common.timing import note, part
-from learning.data_cache import load_client_data, resolve_cache_dir
+from learning.datasets.cache import load_client_data, resolve_cache_dir
 from learning.dpsgd import epsilon_of, record_training
 from learning.models import resolve_device, set_deterministic
 

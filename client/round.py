@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from common.settings import Settings
-from learning.data import ClientSplit
+from learning.datasets.federated import ClientSplit
 from learning.training import evaluate
 
 

@@ -129,7 +129,7 @@ def _compose_cached(overrides_json: str, node_root: str = "") -> ComposedRun:
         # e.g. `strategy=fdse` alone: take the strategy's model instead of the default cnn
         cfg = _hydra_compose([*overrides, f"model={needs[0]}"])
     if node_root:
-        from learning.data import BUNDLED_SOURCES
+        from learning.datasets.pools import BUNDLED_SOURCES
 
         if str(cfg.dataset.source) not in BUNDLED_SOURCES:
             cfg.dataset.root = node_root
@@ -186,7 +186,7 @@ def discover_imagefolder(cfg: DictConfig) -> None:
     """An image-folder dataset with no ``domains`` listed takes the sub-folders of ``root``
     (sorted), and the generic ``imagefolder`` preset takes the root folder's name as the
     dataset name (so run folders and tables say ``my-digits``, not ``imagefolder``)."""
-    from learning.sources import subfolders
+    from learning.datasets.sources import subfolders
 
     ds = cfg.dataset
     if ds.source != "imagefolder" or ds.synthetic or OmegaConf.is_missing(ds, "root") or not ds.root:
@@ -265,10 +265,10 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
 def validate_config(cfg: DictConfig) -> None:
     """Fail before any training with one clear message per problem: every group is read into
     its typed class (every key required, none unknown, each in range; ``common/settings.py``,
-    ``learning/data.py: DatasetConfig``, ``learning/models.py: MODELS``, ``common/options.py``)."""
-    from learning.data import dataset_config
+    ``learning/datasets/config.py: DatasetConfig``, ``learning/models.py: MODELS``, ``common/options.py``)."""
+    from learning.datasets.pools import dataset_config
+    from learning.datasets.sources import DatasetError
     from learning.models import read_model_config
-    from learning.sources import DatasetError
 
     problems: list[str] = []
     root_missing = OmegaConf.is_missing(cfg.dataset, "root")
@@ -321,7 +321,7 @@ def privacy_problems(cfg: DictConfig) -> list[str]:
     (checked here when the clients are known before composition ends, and by the server's
     strategy always)."""
     from common.privacy import budget_problem
-    from learning.data import num_clients
+    from learning.datasets.config import num_clients
 
     settings = run_settings(cfg)
     privacy, run = settings.privacy, settings.run
@@ -389,7 +389,7 @@ def secure_aggregation_problems(cfg: DictConfig) -> list[str]:
     needs each client's own upload, a norm bound (the server never sees one update), a
     threshold or neighbourhood above the clients a round samples."""
     from common.secure_aggregation import threshold_of
-    from learning.data import num_clients
+    from learning.datasets.config import num_clients
 
     settings = run_settings(cfg)
     privacy, run = settings.privacy, settings.run

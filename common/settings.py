@@ -4,7 +4,7 @@ Their defaults are in ``conf/config.yaml`` only. Composition (``common/config.py
 each group into its class with ``learning/typed.py``'s reader, so every key is required, an
 unknown key (``+train.lrr=0.1``) is refused by name, and each class checks its ranges in
 ``__post_init__``: a bad value fails before any process starts. ``dataset`` and ``model``
-are typed next to their registries (``learning/data.py: DatasetConfig``,
+are typed next to their registries (``learning/datasets/config.py: DatasetConfig``,
 ``learning/models.py: MODELS``), the method options in ``common/options.py``.
 
 This module deliberately has no ``from __future__ import annotations``: the field types are

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from learning.datasets.sources import tensor_view
 from learning.dpsgd import DPSGDConfig, make_private, release
-from learning.sources import tensor_view
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

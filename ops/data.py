@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from learning.sources import DatasetError
+from learning.datasets.sources import DatasetError
 
 SPLITS = {"train": 60_000, "t10k": 10_000}
 FILES = tuple(f"{split}-{kind}" for split in SPLITS for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))

@@ -36,7 +36,7 @@ from client.handlers import trainer_class
 from client.round import ClientRound
 from common.config import compose_config, run_settings
 from common.protocol import client_sort_key
-from learning.data import ClientSplit, load_federated_data
+from learning.datasets.federated import ClientSplit, load_federated_data
 from learning.models import resolve_device
 from learning.training import OptimConfig
 from ops.progress import PhaseProgress

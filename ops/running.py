@@ -17,8 +17,9 @@ from pathlib import Path
 
 from common.config import ComposedRun, ConfigError, compose_run
 from common.overrides import override_key, split_overrides, to_toml_run_config
-from learning.data import dataset_config, num_clients
-from learning.sources import DatasetError
+from learning.datasets.config import num_clients
+from learning.datasets.pools import dataset_config
+from learning.datasets.sources import DatasetError
 from ops.options import DEFAULT_MAX_RECOVERIES, overrides_help, run_options
 from ops.resources import (
     check_client_resources,
@@ -74,8 +75,8 @@ def preflight(overrides: list[str]) -> tuple[ComposedRun, dict[str, str], list[s
     the config, the dataset (the whole image tree for image folders: missing or empty
     folders, nested folders, unreadable images, too few images for the split), and the run
     folder (another run's results, or a live run writing it)."""
-    from learning.data_cache import cache_holds, fill_cache, resolve_cache_dir
-    from learning.sources import image_tree_problems
+    from learning.datasets.cache import cache_holds, fill_cache, resolve_cache_dir
+    from learning.datasets.sources import image_tree_problems
     from ops.recovery import expand_resume
     from server.run_folder import RunFolderError, check_run_folder, finished_summary, lock_is_held
 

@@ -23,10 +23,10 @@ from common.flower_compat import (
 from common.methods import ResolvedMethod, build_method_model, load_named
 from common.overrides import run_config_to_overrides
 from common.settings import RunKeys
-from learning.data import FederatedData
-from learning.data_cache import DataSummary, load_data_summary, resolve_cache_dir
+from learning.datasets.cache import DataSummary, load_data_summary, resolve_cache_dir
+from learning.datasets.federated import FederatedData
+from learning.datasets.sources import DatasetError
 from learning.params import get_arrays
-from learning.sources import DatasetError
 from learning.storage import atomic_write_text
 from server.loop import run_federation
 from server.results import RunRecorder

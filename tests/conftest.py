@@ -14,7 +14,7 @@ import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the per-client data cache (learning/data_cache.py) of this test session, not the user's
+# the per-client data cache (learning/datasets/cache.py) of this test session, not the user's
 os.environ.setdefault("PFLOWER_DATA_CACHE", tempfile.mkdtemp(prefix="pflower-test-data-cache-"))
 
 

@@ -13,7 +13,7 @@ import pytest
 from test_method_contract import _federate, _run_config
 
 from common.config import ConfigError, compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from server.summary import build_summary
 from strategies.replies import summarise_clients
 

@@ -22,7 +22,7 @@ from client.handlers import trainer_class
 from client.round import ClientRound
 from client.trainer import ClientTrainer
 from common.config import ConfigError, compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
 from learning.training import evaluate, recompute_bn_statistics

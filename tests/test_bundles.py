@@ -33,7 +33,7 @@ from common.bundles import (
 from common.config import compose_config, run_settings
 from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION
 from common.protocol import ARRAYS_KEY, CONFIG_KEY, from_record, to_record
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from ops.resources import simulated_nodes, simulation_config
 from server.app import build_strategy
 from server.loop import run_federation

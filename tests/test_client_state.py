@@ -11,7 +11,7 @@ from client.round import ClientRound
 from client.state import ClientStateStore, StateCorruptError
 from client.trainer import ClientTrainer
 from common.config import _compose_cached, compose_config, compose_run, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.models import build_model, parameter_groups
 from learning.params import get_arrays
 

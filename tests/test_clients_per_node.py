@@ -19,7 +19,7 @@ from client import app as client_app
 from client.identity import client_id_of, serves, serves_several
 from common.config import compose_config, run_settings
 from common.protocol import CONFIG_KEY, TARGET_CLIENT, make_reply, to_record
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation
 from server.results import RunRecorder

@@ -185,7 +185,7 @@ def _dataset_parent(name: str) -> dict:
 def test_dataset_presets_start_from_the_base_and_hold_only_what_differs() -> None:
     from dataclasses import fields
 
-    from learning.data import DatasetConfig
+    from learning.datasets.config import DatasetConfig
 
     base = _dataset_file("_base")
     assert set(base) == {f.name for f in fields(DatasetConfig)}, "conf/dataset/_base.yaml has every dataset key"

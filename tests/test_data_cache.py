@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-import learning.data_cache as data_cache
+import learning.datasets.cache as data_cache
 from common.config import compose_config
-from learning.data import build_federated_data
-from learning.data_cache import cache_key, load_client_data, resolve_cache_dir, tensor_view
-from learning.sources import CropFlip
+from learning.datasets.cache import cache_key, load_client_data, resolve_cache_dir, tensor_view
+from learning.datasets.federated import build_federated_data
+from learning.datasets.sources import CropFlip
 
 
 def _items(ds) -> tuple[torch.Tensor, torch.Tensor]:

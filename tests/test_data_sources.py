@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from learning.data import build_federated_data
-from learning.sources import DatasetError
+from learning.datasets.federated import build_federated_data
+from learning.datasets.sources import DatasetError
 
 BASE = {
     "clients_per_domain": 2, "new_clients_per_domain": 0, "heldout_domains": [], "partition": "iid",
@@ -124,8 +124,8 @@ def test_unknown_source_and_domain_transform():
 # ---------------------------------------------------------------- real embedded digits
 def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
     from common.config import compose_config
-    from learning.data import load_federated_data
-    from learning.sources import load_mnist5k
+    from learning.datasets.federated import load_federated_data
+    from learning.datasets.sources import load_mnist5k
 
     x, y = load_mnist5k()
     assert x.shape == (5000, 1, 28, 28) and 0.0 <= float(x.min()) and float(x.max()) == 1.0
@@ -150,7 +150,7 @@ def test_mnist5k_rotated_is_real_mnist_one_angle_per_client_without_repeats():
 
 def test_digit_sources_are_four_real_sources_with_disjoint_mnist():
     from common.config import compose_config
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
 
     cfg = compose_config({"dataset": "digits-sources"})
     data = load_federated_data(cfg.dataset, 0)
@@ -176,7 +176,8 @@ def test_leave_one_domain_out_makes_a_domain_unseen():
     has the domain; all its clients are held-out new clients. Without the option the ids are
     what they always were."""
     from common.config import compose_config
-    from learning.data import load_federated_data, num_clients
+    from learning.datasets.config import num_clients
+    from learning.datasets.federated import load_federated_data
 
     plain = load_federated_data(compose_config({}).dataset, 0)
     cfg = compose_config({}, ["dataset.heldout_domains=[invert]"])
@@ -239,7 +240,7 @@ def small_package(tmp_path, monkeypatch):
 def test_pflower_data_fills_a_torchvision_root_from_the_installed_package(tmp_path, small_package, capsys):
     """Each file checked (torchvision's MD5, idx header and counts) and named with its origin;
     torchvision's own MNIST class then reads the root."""
-    from learning.sources import load_torchvision
+    from learning.datasets.sources import load_torchvision
     from ops import cli
 
     root = tmp_path / "mnist-root"
@@ -316,7 +317,7 @@ def test_fedora_rotated_split_is_the_authors_procedure() -> None:
     """Their loader (junwu6/FEDORA, utils/load_rotate_mnist.py), step by step with numpy's
     global generator as their set_seed leaves it: one shuffle of the training indices (the last
     val_pool for validation), one of the test indices, then consecutive slices per client."""
-    from learning.partition import fedora_rotated_split
+    from learning.datasets.partition import fedora_rotated_split
 
     for seed, big, factor in ((0, -1, 1), (3, 4, 3), (1, 1, 2)):
         np.random.seed(seed)
@@ -337,7 +338,7 @@ def test_fedora_rotated_split_is_the_authors_procedure() -> None:
 
 
 def test_fedora_rotated_split_refuses_more_than_the_pool_holds() -> None:
-    from learning.partition import PartitionError, fedora_rotated_split
+    from learning.datasets.partition import PartitionError, fedora_rotated_split
 
     with pytest.raises(PartitionError, match="need more than the 500 training and 100 validation samples"):
         fedora_rotated_split(600, 70, 5, 8, 4, 0, big=4, factor=30, val_pool=100)
@@ -369,7 +370,7 @@ def test_split_fedora_builds_the_authors_clients_from_the_sources_own_sets(tmp_p
     assert len(np.unique(ids)) == len(ids)
     for c in data.clients.values():
         assert (c.train_ids < 1200).all() and (c.val_ids < 1200).all() and (c.test_ids >= 1200).all()
-    from learning.partition import fedora_rotated_split
+    from learning.datasets.partition import fedora_rotated_split
     first = fedora_rotated_split(1200, 120, 4, 8, 4, 2, 3, 5, val_pool=200)[0]
     assert np.array_equal(data.clients["0"].train_ids, first[0]) and np.array_equal(data.clients["0"].val_ids, first[1])
     x0 = torch.stack([data.clients["0"].train[i][0] for i in range(8)])

@@ -110,7 +110,7 @@ def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):
 def test_deploy_fills_the_data_cache_before_any_supernode_starts(tmp_path, monkeypatch):
     """The SuperNodes' ClientApp processes on this machine then read their own split from the
     cache: none of them builds the federated data set."""
-    from learning.data_cache import cache_key
+    from learning.datasets.cache import cache_key
 
     started = []
 

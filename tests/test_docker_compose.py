@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from common.config import compose_config
-from learning.data import num_clients
+from learning.datasets.config import num_clients
 from ops.deployment import deploy
 from ops.deployment.deploy import (
     CONTAINER_CERTS,

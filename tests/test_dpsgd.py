@@ -120,7 +120,7 @@ def _federate(root: Path, run: str, rounds: int, extra: str = "") -> tuple[Any, 
     from helpers import FakeGrid
 
     from client import app as client_app
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
     from server.results import RunRecorder

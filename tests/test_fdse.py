@@ -21,7 +21,7 @@ from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX
 from common.config import compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.fdse_model import keys_by_class, parameter_classes, shared_bn_stats
 from learning.models import build_model
 from learning.params import get_arrays, num_bytes

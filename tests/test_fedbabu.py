@@ -21,7 +21,7 @@ from client.handlers import trainer_class
 from client.round import ClientRound
 from client.trainer import ClientTrainer, step_lr_scale, unprefixed
 from common.config import compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
 from server.summary import build_summary
@@ -350,7 +350,7 @@ def test_cifar_configs_use_the_authors_training_settings():
 def test_crop_flip_augmentation_crops_and_flips_the_image():
     from torch.utils.data import TensorDataset
 
-    from learning.sources import CropFlip
+    from learning.datasets.sources import CropFlip
 
     img = torch.arange(3 * 8 * 8, dtype=torch.float32).reshape(1, 3, 8, 8) + 1
     aug = CropFlip(TensorDataset(img, torch.tensor([7])), pad=2)

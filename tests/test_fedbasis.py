@@ -23,7 +23,7 @@ from common.config import ConfigError, compose_config, run_settings, validate_co
 from common.flower_compat import send_and_receive
 from common.protocol import make_reply
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
 from learning.training import OptimConfig
@@ -540,7 +540,7 @@ def test_pflbed_split_shares_a_class_balanced_test_set_per_domain() -> None:
 def test_pflbed_shares_are_the_papers_60_20_5_15(new_fraction: float) -> None:
     """Participating/new/validation/test = 60/20/5/15 per domain by default (paper Sec. 5),
     whatever the client counts (20 + 10 here, whose ratio would give 53.3/26.7)."""
-    from learning.partition import pflbed_split
+    from learning.datasets.partition import pflbed_split
 
     labels = np.repeat(np.arange(10), 300)                      # 3,000 samples of one domain
     trains, news, val, test = pflbed_split(labels, 20, 10, 0.05, 0.15, 0.3, seed=0, new_fraction=new_fraction)

@@ -23,10 +23,11 @@ from client.fedora import BASIS_STATE, FEDORATrainer
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX
 from common.config import compose_config, run_settings
-from learning.data import build_federated_data, load_federated_data, num_clients
+from learning.datasets.config import num_clients
+from learning.datasets.federated import build_federated_data, load_federated_data
+from learning.datasets.sources import DatasetError
 from learning.models import build_model
 from learning.params import get_arrays
-from learning.sources import DatasetError
 from learning.training import OptimConfig, train_epochs
 from strategies.base import ClientUpdate, RunSettings, TrainRound
 from strategies.fedora import FEDORA

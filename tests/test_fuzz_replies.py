@@ -46,7 +46,7 @@ from common.protocol import (
     make_reply,
     to_record,
 )
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
 
 SMALL = ["dataset.clients_per_domain=1", "dataset.new_clients_per_domain=0", "finetune.epochs=1",

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from common.config import ConfigError, compose_config
-from learning.data import build_federated_data
-from learning.sources import IMAGENET_MEAN, IMAGENET_STD
+from learning.datasets.federated import build_federated_data
+from learning.datasets.sources import IMAGENET_MEAN, IMAGENET_STD
 
 
 @pytest.fixture

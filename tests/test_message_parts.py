@@ -131,7 +131,7 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
     from bench.message_parts import PART_ORDER
     from client import app as client_app
     from common.config import compose_config, run_settings
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
     from server.results import RunRecorder

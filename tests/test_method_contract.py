@@ -41,7 +41,7 @@ from common.methods import method, method_names, parameter_roles
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
 from common.secure_aggregation import COLLECT, MASKED_RECORD, WEIGHT_ENTRY
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
 from server.checkpoint import load_checkpoint
 from server.loop import checkpoint_identity, run_federation

@@ -21,7 +21,7 @@ from client.partialfed import (
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX, LocalRound
 from common.config import compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
 from learning.training import OptimConfig

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from common.config import compose_config
-from learning.data import build_federated_data
-from learning.partition import PartitionError, partition_indices, split_train_val_test
+from learning.datasets.federated import build_federated_data
+from learning.datasets.partition import PartitionError, partition_indices, split_train_val_test
 
 
 def _labels(n=600, classes=10, seed=0):

@@ -18,7 +18,7 @@ import pytest
 from helpers import PRIVATE_FORM
 
 from common.config import ConfigError, compose_config, validate_config
-from common.methods import method, method_names
+from common.methods import method, method_names, resolve_method
 from common.privacy import epsilon_of, rounds_within
 from common.settings import PrivacySettings
 from strategies.base import ClientUpdate, RoundFailedError, RunSettings, TrainRound
@@ -52,7 +52,7 @@ def _strategy(clients: int, privacy: PrivacySettings | None, initial: dict[str, 
               fraction: float = 1.0) -> FedAvg:
     run = RunSettings(seed=0, rounds=5, fraction_train=fraction, min_train_clients=1, wait_for_clients=1.0,
                       round_timeout=1.0, norm_bound=0.0, privacy=privacy)
-    return FedAvg(initial, [str(c) for c in range(clients)], run, {"name": "fedavg", "weighted": True})
+    return FedAvg(initial, [str(c) for c in range(clients)], run, resolve_method({"name": "fedavg", "weighted": True}))
 
 
 def _aggregate(strategy: FedAvg, uploads: list[dict[str, np.ndarray]], server_round: int = 1,
@@ -208,7 +208,7 @@ def test_a_round_past_the_budget_stops_before_its_model_is_released() -> None:
         _strategy(2, privacy, initial)
     run = RunSettings(seed=0, rounds=fit, fraction_train=1.0, min_train_clients=1, wait_for_clients=1.0,
                       round_timeout=1.0, norm_bound=0.0, privacy=privacy)
-    strategy = FedAvg(initial, ["0", "1"], run, {"name": "fedavg", "weighted": True})
+    strategy = FedAvg(initial, ["0", "1"], run, resolve_method({"name": "fedavg", "weighted": True}))
     assert strategy.privacy is not None
     for r in range(1, fit + 1):
         _aggregate(strategy, [dict(initial), dict(initial)], server_round=r)
@@ -261,7 +261,7 @@ def test_a_method_that_needs_each_upload_refuses_dp_at_composition(name: str) ->
     run = RunSettings(seed=0, rounds=1, fraction_train=1.0, min_train_clients=1, wait_for_clients=1.0,
                       round_timeout=1.0, norm_bound=0.0, privacy=_privacy())
     with pytest.raises(ValueError, match="does not apply"):     # a strategy built by hand refuses too
-        FedAvg(initial, ["0"], run, dict(compose_config(overrides=[f"strategy={name}"]).strategy))
+        FedAvg(initial, ["0"], run, resolve_method(compose_config(overrides=[f"strategy={name}"]).strategy))
 
 
 def test_every_averaging_method_composes_with_dp() -> None:

@@ -171,7 +171,7 @@ def _copy(tree: Path, tmp_path: Path) -> Path:
 
 
 def test_the_generic_imagefolder_dataset_discovers_domains_classes_and_its_name(tree: Path) -> None:
-    from learning.data import load_federated_data
+    from learning.datasets.federated import load_federated_data
 
     cfg = compose_config({"dataset": "imagefolder"}, [f"dataset.root={tree}", "dataset.image_size=28"])
     assert cfg.dataset.name == "my-digits" and cfg.run_name.startswith("fedavg-my-digits-cnn-s0-")  # + image_size

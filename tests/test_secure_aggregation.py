@@ -23,7 +23,7 @@ from client import app as client_app
 from client import secure_aggregation as client_secagg
 from client.secure_aggregation import stage_of
 from common.config import ConfigError, compose_config, run_settings, validate_config
-from common.methods import method, method_names
+from common.methods import method, method_names, resolve_method
 from common.secure_aggregation import (
     COLLECT,
     SETUP,
@@ -40,7 +40,7 @@ from common.secure_aggregation import (
     sum_masked,
     unmask_mean,
 )
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation
 from server.results import RunRecorder
@@ -356,7 +356,7 @@ def test_flowers_strategy_start_is_refused_with_secure_aggregation_on() -> None:
                               noise_seed=None, secure_aggregation="secagg+")
     run = RunSettings(seed=0, rounds=2, fraction_train=1.0, min_train_clients=2, wait_for_clients=1.0,
                       round_timeout=1.0, norm_bound=0.0, privacy=privacy)
-    strategy = FedAvg({"w": np.zeros(3, np.float32)}, ["0", "1"], run, {"name": "fedavg", "weighted": True})
+    strategy = FedAvg({"w": np.zeros(3, np.float32)}, ["0", "1"], run, resolve_method({"name": "fedavg", "weighted": True}))
     assert strategy.secure is not None and strategy.secure.masked_keys == ["w"]
     with pytest.raises(RuntimeError, match="runs in pflower's round loop"):
         strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), FakeGrid(["0", "1"]))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common.config import ConfigError, compose_config
-from learning.data import build_federated_data
-from learning.sources import SyntheticImages
+from learning.datasets.federated import build_federated_data
+from learning.datasets.sources import SyntheticImages
 
 
 def _images(ds, n: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -15,7 +15,7 @@ from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
 from common.config import compose_config, run_settings
-from learning.data import load_federated_data
+from learning.datasets.federated import load_federated_data
 from ops.progress import PhaseProgress, RunProgress, progress_wanted, rounds_seen
 from server.app import build_strategy, client_info
 from server.loop import run_federation

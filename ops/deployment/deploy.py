@@ -376,9 +376,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from common.config import ConfigError, compose_run
     from common.overrides import expand_grid, split_overrides, to_toml_run_config
-    from learning.data import num_clients
-    from learning.data_cache import fill_cache, resolve_cache_dir
-    from learning.sources import DatasetError
+    from learning.datasets.cache import fill_cache, resolve_cache_dir
+    from learning.datasets.config import num_clients
+    from learning.datasets.sources import DatasetError
     from ops.recovery import expand_resume
     from server.run_folder import RunFolderError, check_run_folder
 

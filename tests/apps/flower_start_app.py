@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.config import compose_run
 from common.protocol import to_record
-from learning.data_cache import load_data_summary, resolve_cache_dir
+from learning.datasets.cache import load_data_summary, resolve_cache_dir
 from server.app import build_strategy
 
 app = ServerApp()

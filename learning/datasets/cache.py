@@ -35,8 +35,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from learning.data import ClientSplit, FederatedData, _freeze, _plain, load_federated_data
-from learning.sources import CropFlip, tensor_view
+from learning.datasets.federated import (
+    ClientSplit,
+    FederatedData,
+    _freeze,
+    _plain,
+    load_federated_data,
+)
+from learning.datasets.sources import CropFlip, tensor_view
 from learning.storage import (
     StateCorruptError,
     atomic_write_text,
@@ -45,7 +51,8 @@ from learning.storage import (
 )
 
 log = logging.getLogger(__name__)
-_SOURCES = ("data.py", "sources.py", "partition.py", "typed.py", "data_cache.py")   # the code a split depends on
+_SOURCES = ("config.py", "federated.py", "partition.py", "pools.py", "splits.py", "sources.py", "cache.py",
+            "../typed.py")   # the code a split depends on
 SPLITS = ("train", "val", "test")
 
 

