@@ -22,12 +22,16 @@ both), the gap in points (100 x the difference of the two rows' means over seeds
 and, for ``>`` and ``<``, whether it holds in every seed (paired by seed; ``one seed`` for a
 table of one seed, where that says nothing). A fine-tune curve
 (FedBABU's Table 5 form) is marked ``<!-- curve: <name> -->`` ... ``<!-- /curve -->`` and is the
-mean over seeds of each row's ``finetune_curve``. A run removed, a digit changed or an ordering
-that does not hold fails here.
+mean over seeds of each row's ``finetune_curve``. New clients' personalisation (``pflower
+personalize``, each run's ``new_clients.json``) is marked ``<!-- new-clients: <name> -->`` ...
+``<!-- /new-clients -->``: per row, mode and size, each lr's last-epoch and best-by-validation
+test accuracy (mean over the new clients), mean ± std over the seeds. A run removed, a digit
+changed or an ordering that does not hold fails here.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -64,9 +68,11 @@ def _runs(name: str) -> list[Path]:
 
 
 CURVE_BLOCK = re.compile(r"<!-- curve: (\S+) -->\n(.*?)\n<!-- /curve -->", re.S)
+NEW_CLIENTS_BLOCK = re.compile(r"<!-- new-clients: (\S+) -->\n(.*?)\n<!-- /new-clients -->", re.S)
 COMPARES = _blocks(COMPARE_BLOCK)
 ORDERINGS = _blocks(ORDERINGS_BLOCK)
 CURVES = _blocks(CURVE_BLOCK)
+NEW_CLIENTS = _blocks(NEW_CLIENTS_BLOCK)
 
 
 def test_every_kept_folder_has_its_table_on_a_page() -> None:
@@ -151,6 +157,39 @@ def curve_table(runs: list[Path]) -> str:
 @pytest.mark.parametrize(("page", "name", "printed"), CURVES, ids=[f"{p}:{n}" for p, n, _ in CURVES])
 def test_the_fine_tune_curve_is_the_mean_of_the_kept_runs(page: str, name: str, printed: str) -> None:
     assert curve_table(_runs(name)) == printed, f"{page}: the curve marked `curve: {name}` is not its kept runs'"
+
+
+def new_client_table(runs: list[Path]) -> str:
+    """New clients' personalisation of each row (its runs' ``new_clients.json``, written by
+    ``pflower personalize``): per mode and size, each lr's test accuracy after the last epoch
+    and at the best-validation epoch (each the mean over the run's new clients), mean ± std
+    over the row's seeds."""
+    groups, _ = rows_by_configuration([load_summary(d) for d in runs])
+    folder_of = {(r["run_name"], r["seed"]): d for d in runs for r in [load_summary(d)]}
+    lines: list[str] = []
+    for (label, _, _), members in sorted(groups.items()):
+        found = [json.loads((folder_of[(r["run_name"], r["seed"])] / "new_clients.json").read_text())
+                 for r in members]
+        lrs = [str(lr) for lr in found[0]["settings"]["lrs"]]
+        if not lines:
+            lines = ["| row | seeds | mode | size | " + " | ".join(f"lr {lr}: last / best" for lr in lrs) + " |",
+                     "|" + "---|" * (len(lrs) + 4)]
+        for mode, sizes in found[0]["summary"].items():
+            for size in sizes:
+                cells = []
+                for lr in lrs:
+                    last = np.array([f["summary"][mode][size][lr]["last_mean"] for f in found])
+                    best = np.array([f["summary"][mode][size][lr]["best_mean"] for f in found])
+                    cells.append(f"{last.mean():.4f} ± {last.std():.4f} / {best.mean():.4f} ± {best.std():.4f}")
+                lines.append(f"| {label} | {','.join(str(r['seed']) for r in members)} | {mode} | {size} | "
+                             + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize(("page", "name", "printed"), NEW_CLIENTS, ids=[f"{p}:{n}" for p, n, _ in NEW_CLIENTS])
+def test_the_new_client_table_is_the_kept_runs_personalisation(page: str, name: str, printed: str) -> None:
+    assert new_client_table(_runs(name)) == printed, \
+        f"{page}: the table marked `new-clients: {name}` is not its kept runs' new_clients.json"
 
 
 def _fake_rows() -> dict[str, list[dict]]:
