@@ -157,3 +157,43 @@ def test_a_type_checking_import_counts(tmp_path: Path) -> None:
     probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from client.trainer import X\n"
                      "def f():\n    from server.app import app\n")
     assert [m for m, _ in _imports(probe)] == ["client.trainer", "server.app"]
+
+
+# The method registry names its classes as "module:attribute" strings (conf/strategy/<name>.yaml,
+# loaded with importlib), which no import above sees: each kind of string is held to a layer here.
+# The server and client classes are loaded by the two app edges only; the options, role rule and
+# wrapper by composition (common/methods.py: resolve_method, roles_of, build_method_model), which
+# both sides run, so they live in the parts both sides read.
+ROW_STRING_LAYERS = {"server": {"strategies"}, "client": {"client"},
+                     "options": {"common", "strategies_math"}, "roles": {"common", "strategies_math"},
+                     "wrapper": {"learning", "strategies_math"}}
+
+
+def _row_strings() -> list[tuple[str, str, str]]:
+    """(method, key, module) of every "module:attribute" string of every row and variant."""
+    from common.methods import method, method_names
+
+    found = []
+    for name in method_names():
+        row = method(name)
+        for label, r in [(name, row), *((f"{name} ({flag})", v) for flag, v in row.variants)]:
+            for key in ROW_STRING_LAYERS:
+                value = getattr(r, key)
+                if ":" in value:
+                    found.append((label, key, value.partition(":")[0]))
+    return found
+
+
+def test_the_registrys_class_names_stay_in_their_layers() -> None:
+    strings = _row_strings()
+    assert {key for _, key, _ in strings} == set(ROW_STRING_LAYERS)   # every kind is named somewhere
+    bad = [f"conf/strategy: {label} names {key} {module} (layer {_layer(module)}; allowed: "
+           f"{sorted(ROW_STRING_LAYERS[key])})"
+           for label, key, module in strings if _layer(module) not in ROW_STRING_LAYERS[key]]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_two_edges_load_the_server_and_client_classes() -> None:
+    loaders = sorted(str(p.relative_to(REPO)) for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")
+                     if re.search(r"load_named\([^)]*\.(server|client)\)", p.read_text()))
+    assert loaders == ["client/handlers.py", "server/app.py"], loaders
