@@ -106,7 +106,7 @@ class FDSE(PersonalizedStrategy):
         super().__init__(initial_arrays, client_ids, **kwargs)
         if self.model is None or not isinstance(self.options, FDSEOptions):
             raise ValueError("FDSE needs the initial model (model=...) and its options "
-                             "(options=cfg.strategy) to find its shared, personal and local parameters")
+                             "(method=resolve_method(cfg.strategy)) to find its shared, personal and local parameters")
         missing = [k for k in initial_arrays if k not in self.roles]
         if missing:
             raise ValueError(f"FDSE: initial arrays {missing[:3]} are not keys of the model")

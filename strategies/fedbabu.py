@@ -63,7 +63,7 @@ class FedBABU(PersonalizedStrategy):
         super().__init__(initial_arrays, client_ids, **kwargs)
         if self.model is None or not isinstance(self.options, FedBABUOptions | FedProxOptions):
             raise ValueError("FedBABU needs the initial model and its options to find its head "
-                             "(pass model= and options=cfg.strategy)")
+                             "(pass model= and method=resolve_method(cfg.strategy))")
         self.head_keys: list[str] = keys_with(self.roles, FROZEN)
         seed = self.run.seed
         mode = self.options.head_init if isinstance(self.options, FedBABUOptions) else "orthogonal"

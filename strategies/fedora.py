@@ -94,7 +94,7 @@ class FEDORA(PersonalizedStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.options, FEDORAOptions):
-            raise ValueError("FEDORA needs its options (options=cfg.strategy, conf/strategy/fedora.yaml)")
+            raise ValueError("FEDORA needs its options (method=resolve_method(cfg.strategy), conf/strategy/fedora.yaml)")
         self.bases: dict[str, np.ndarray] = {}
         self.theta: dict[str, NDArrays] = {}
         self.w: np.ndarray | None = None

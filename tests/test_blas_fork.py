@@ -73,7 +73,8 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS runs one thread on one core: no race")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="OpenBLAS sizes its pool by the CPUs this process may use: one CPU, no race")
 def test_the_serverapps_math_survives_forks_in_its_process() -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"}}
@@ -86,7 +87,9 @@ def test_the_serverapps_math_survives_forks_in_its_process() -> None:
                     "server/app.py must keep numpy's BLAS on one thread for the whole run)")
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert max(seen["before"]) > 1, seen    # the race is real: BLAS had a thread pool
+    if max(seen["before"], default=1) < 2:
+        pytest.skip(f"numpy's BLAS has no thread pool here ({seen['before']}): no race to repeat")
+    # the race was real (BLAS had a thread pool) and the limit held for the run, then ended
     assert seen["during"] == [1] * len(seen["during"]) and seen["during"], seen
     assert seen["after"] == seen["before"], seen   # the limit ends with the run
     assert seen["forks"] > 10 and seen["cosines"] > 10, seen

@@ -193,7 +193,17 @@ def test_the_registrys_class_names_stay_in_their_layers() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_only_the_two_edges_load_the_server_and_client_classes() -> None:
+def _loads_a_side_class(path: Path) -> bool:
+    """Whether ``path`` calls ``load_named(<anything>.server)`` or ``load_named(<anything>.client)``."""
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "load_named"
+               and node.args and isinstance(node.args[0], ast.Attribute) and node.args[0].attr in ("server", "client")
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_only_the_two_edges_load_the_server_and_client_classes(tmp_path: Path) -> None:
     loaders = sorted(str(p.relative_to(REPO)) for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")
-                     if re.search(r"load_named\([^)]*\.(server|client)\)", p.read_text()))
+                     if _loads_a_side_class(p))
     assert loaders == ["client/handlers.py", "server/app.py"], loaders
+    probe = tmp_path / "probe.py"    # the form the edges replaced is seen too
+    probe.write_text("def f(name, options):\n    return load_named(method(name, options).server)\n")
+    assert _loads_a_side_class(probe)

@@ -186,6 +186,12 @@ def new_client_table(runs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def test_every_kept_personalisation_has_its_table_on_a_page() -> None:
+    kept = {p.parent.parent.name for p in KEPT.glob("*/*/new_clients.json")}
+    assert kept <= {name for _, name, _ in NEW_CLIENTS}, \
+        f"kept new_clients.json without a `new-clients` table on a page: {sorted(kept - {n for _, n, _ in NEW_CLIENTS})}"
+
+
 @pytest.mark.parametrize(("page", "name", "printed"), NEW_CLIENTS, ids=[f"{p}:{n}" for p, n, _ in NEW_CLIENTS])
 def test_the_new_client_table_is_the_kept_runs_personalisation(page: str, name: str, printed: str) -> None:
     assert new_client_table(_runs(name)) == printed, \

@@ -148,11 +148,11 @@ def synthetic_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Po
 
 
 def dataset_config(cfg: Mapping[str, Any]) -> DatasetConfig:
-    """The typed dataset config (an unknown source, or an unknown, missing or out-of-range key,
-    names itself)."""
-    source: str = cfg.get("source")   # checked first: the other checks read it
-    one_of("dataset.source", source, tuple(SOURCES), DatasetError)
+    """The typed dataset config: an unknown, missing or out-of-range key (``DatasetConfig``), then
+    a source not in :data:`SOURCES` or a ``root`` given to one that comes with the packages,
+    names itself."""
     typed = read_typed(DatasetConfig, cfg, "dataset", "conf/dataset/{name}.yaml", DatasetError)
+    one_of("dataset.source", typed.source, tuple(SOURCES), DatasetError)
     check(not typed.root or typed.source not in BUNDLED_SOURCES,
           f"dataset.root={typed.root!r} is not read by dataset {typed.name!r}: its data ({typed.source}) come "
           "with the packages; for your own image tree use dataset=imagefolder dataset.root=...", DatasetError)

@@ -28,7 +28,7 @@ def fedora_sizes(cfg: DatasetConfig) -> tuple[int, int]:
 
 
 def fedora_client_splits(pool_size: int, n_train: int, n_val: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A ``_fedora_pools`` pool's one client: its images are train, validation, test in order."""
+    """A ``pools.fedora_pools`` pool's one client: its images are train, validation, test in order."""
     return [(np.arange(n_train), np.arange(n_train, n_train + n_val), np.arange(n_train + n_val, pool_size))]
 
 

@@ -12,13 +12,18 @@ from flwr.serverapp import Grid, ServerApp
 from common.config import compose_run
 from common.protocol import to_record
 from learning.datasets.cache import load_data_summary, resolve_cache_dir
-from server.app import build_strategy
+from server.app import build_strategy, one_blas_thread
 
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    with one_blas_thread():   # numpy's BLAS on one thread, as pflower's ServerApp (server/app.py)
+        start(grid, context)
+
+
+def start(grid: Grid, context: Context) -> None:
     composed = compose_run(dict(context.run_config))
     cfg, run = composed.cfg, composed.settings.run
     data = load_data_summary(cfg.dataset, run.seed, resolve_cache_dir(run.data_cache))
