@@ -179,11 +179,14 @@ def run_bundle(msg: Message, context: Context, call_next: Callable[[Message, Con
 
 
 def send_and_receive(grid: Any, messages: Iterable[Message], timeout: float,
-                     on_reply: Callable[[Message], Any] | None = None) -> list[Any]:
+                     on_reply: Callable[[Message], Any] | None = None,
+                     rejoin: flower_compat.Rejoin | None = None) -> list[Any]:
     """``flower_compat.send_and_receive`` (same contract: what ``on_reply`` returns of each
-    reply that arrived in time, in arrival order), with several messages to one node of the
-    simulation (or of a test grid that says ``bundles_messages``) sent as bundles, each of whose
-    replies is handed on as one reply per message, as if the messages had travelled alone."""
+    reply that arrived in time, in arrival order; ``rejoin`` sends a message whose node was
+    unavailable again), with several messages to one node of the simulation (or of a test grid
+    that says ``bundles_messages``) sent as bundles, each of whose replies is handed on as one
+    reply per message, as if the messages had travelled alone (a simulated node is never
+    unavailable: bundles are not sent again)."""
     keep = on_reply if on_reply is not None else (lambda message: message)
     outgoing = list(messages)
     del messages
@@ -191,7 +194,7 @@ def send_and_receive(grid: Any, messages: Iterable[Message], timeout: float,
     if is_simulation_grid(grid) or getattr(grid, "bundles_messages", False):
         outgoing, bundled = _bundled(outgoing)
     if not bundled:
-        return flower_compat.send_and_receive(grid, outgoing, timeout, on_reply)
+        return flower_compat.send_and_receive(grid, outgoing, timeout, on_reply, rejoin)
     groups: dict[str, list[Message]] | None = None   # a bundle's messages by the bundle's id (given when pushed)
 
     def unbundle(reply: Message) -> list[Any]:

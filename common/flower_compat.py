@@ -68,7 +68,7 @@ from contextlib import AbstractContextManager, nullcontext
 from importlib import metadata
 from logging import ERROR, WARNING
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 # The Flower minor releases these items are written for and CI tests: 1.42 (what a fresh install
 # resolves, its Fleet API over HTTP) and 1.39 (the last whose Fleet API is gRPC). 1.40 and 1.41
@@ -162,8 +162,35 @@ def simulation_worker_lost(reason: str) -> bool:
     return any(marker in reason for marker in RAY_WORKER_LOST)
 
 
+class Rejoin(Protocol):
+    """What :func:`send_and_receive` asks of the sender (``strategies/addressing.py: Exchange``)
+    to send a message again when its node was unavailable."""
+
+    window_s: float   # how long a client's node may be away before its message is given up
+
+    def resend(self, grid: Any, lost: list[Any]) -> dict[str, Any]:
+        """New messages for the clients of ``lost`` whose node is back (by the lost message's id)."""
+        ...
+
+    def give_up(self, lost: Any) -> None:
+        """The node of ``lost``'s client did not come back in time."""
+        ...
+
+
+# flwr/common/constant.py ErrorCode.NODE_UNAVAILABLE (1.39 and 1.42): the SuperLink's reply to a
+# message whose node missed its heartbeats (killed, restarting, or cut off while the SuperLink
+# itself was paused or restarted)
+NODE_UNAVAILABLE = 5
+RESEND_POLL_S = 1.0   # how often a lost message's node is looked for
+
+
+def node_unavailable(reply: Any) -> bool:
+    """Whether ``reply`` is the SuperLink's error for a message whose node was unavailable."""
+    return bool(reply.has_error()) and int(reply.error.code) == NODE_UNAVAILABLE
+
+
 def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
-                     on_reply: Callable[[Any], Any] | None = None) -> list[Any]:
+                     on_reply: Callable[[Any], Any] | None = None, rejoin: Rejoin | None = None) -> list[Any]:
     """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds and
     handing each to ``on_reply`` as soon as it is pulled.
 
@@ -176,7 +203,15 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     is kept). Test grids that only answer ``send_and_receive`` get ``on_reply`` applied to what
     they return. Same contract: the replies (as ``on_reply`` returns them) that arrived before
     ``timeout``, in arrival order. (``common/bundles.py: send_and_receive`` sends several
-    messages to one simulated node in bundles through this one.)"""
+    messages to one simulated node in bundles through this one.)
+
+    With ``rejoin``, a message whose node was unavailable (:func:`node_unavailable`: a
+    SuperNode restarting, or the SuperLink paused or restarted so that it missed the node's
+    heartbeats) is held, not handed on: it is sent again, by ``rejoin.resend``, to the node
+    serving its client once that node is connected, for up to ``rejoin.window_s`` (and within
+    ``timeout``). A client's training loads its state of the round before, so the round
+    then ends as if nothing had happened; a node that does not come back in time fails its
+    client for the round with the SuperLink's error, as before."""
     keep = on_reply if on_reply is not None else (lambda message: message)
     deployment = is_deployment_grid(grid)
     simulation = is_simulation_grid(grid)
@@ -184,22 +219,48 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
                                           and hasattr(grid, "pull_messages"))
     if not polled:
         return [keep(m) for m in grid.send_and_receive(messages, timeout=timeout)]
-    waiting = set(grid.push_messages(messages))
+    outgoing = list(messages)
     del messages
+    ids = list(grid.push_messages(outgoing))
+    waiting = {i for i in ids if i}
+    pushed = dict(zip(ids, outgoing, strict=True)) if rejoin is not None else {}
+    del outgoing
+    held: dict[str, tuple[Any, float]] = {}   # lost message id -> (its error reply, when it is given up)
     replies: list[Any] = []
     end = time.monotonic() + timeout
-    while waiting:
+    next_look = 0.0
+    while waiting or held:
         seen = stores_seen()
-        arrived = list(grid.pull_messages(waiting))
+        arrived = list(grid.pull_messages(waiting)) if waiting else []
         waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
-        replies.extend(keep(m) for m in arrived)
+        for reply in arrived:
+            lost = reply.metadata.reply_to_message_id
+            if rejoin is not None and lost in pushed and node_unavailable(reply):
+                held[lost] = (reply, min(end, time.monotonic() + rejoin.window_s))
+            else:
+                replies.append(keep(reply))
         del arrived
-        if not waiting or time.monotonic() >= end:
+        now = time.monotonic()
+        if held and rejoin is not None and now >= next_look:
+            next_look = now + RESEND_POLL_S
+            for lost, again in rejoin.resend(grid, [pushed[i] for i in held]).items():
+                new_ids = list(grid.push_messages([again]))
+                if new_ids and new_ids[0]:
+                    held.pop(lost)
+                    waiting.add(new_ids[0])
+                    pushed[new_ids[0]] = again
+            for lost in [i for i, (_, give_up_at) in held.items() if now >= give_up_at]:
+                reply, _ = held.pop(lost)
+                rejoin.give_up(pushed[lost])
+                replies.append(keep(reply))
+        if not (waiting or held) or now >= end:
             break
-        if deployment:
+        if deployment or held:
             time.sleep(REPLY_POLL_S)   # the SuperLink is another process: pull again
         else:                          # the simulation: wake when a reply is stored (item 9)
             wait_for_a_store(seen, min(REPLY_POLL_S, max(end - time.monotonic(), 0.0)))
+    for reply, _ in held.values():     # the round's time ran out while their nodes were away
+        replies.append(keep(reply))
     return replies
 
 

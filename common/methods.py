@@ -212,11 +212,6 @@ def _plain(node: Any) -> Any:
     return node
 
 
-def parameter_roles(strategy: Mapping[str, Any], model: nn.Module) -> dict[str, str]:
-    """``{state-dict key: role}`` of ``model`` under the configured strategy."""
-    return roles_of(method(str(strategy["name"]), strategy), model)
-
-
 def roles_of(row: Method, model: nn.Module) -> dict[str, str]:
     """``{state-dict key: role}`` of ``model`` under the method row ``row`` (its role rule)."""
     from common.roles import roles_by_rule

@@ -123,7 +123,8 @@ def _one_round(strategy: PersonalizedStrategy, grid: Grid, run: RunKeys, recorde
             replies = strategy.secure.run(grid, train, strategy.directory, run.round_timeout,
                                           lambda replies: stop_if_worker_lost(grid, replies, server_round))
         else:
-            replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take)
+            replies = send_and_receive(grid, train.messages, timeout=run.round_timeout, on_reply=train.replies.take,
+                                       rejoin=train.exchange)
     train.messages.clear()
     stop_if_worker_lost(grid, replies, server_round)
     pending = fused.take()
@@ -221,7 +222,8 @@ def _evaluate(strategy: PersonalizedStrategy, grid: Grid, run: RunKeys, base_con
     sampled, failed, or all of them when there are no such replies)."""
     evaluate = strategy.begin_evaluate(server_round, {**base_config, "final": server_round == run.rounds}, grid,
                                        carried=train_replies or (), train=train)
-    replies = send_and_receive(grid, evaluate.messages, timeout=run.round_timeout) if evaluate.messages else []
+    replies = (send_and_receive(grid, evaluate.messages, timeout=run.round_timeout, rejoin=evaluate.exchange)
+               if evaluate.messages else [])
     stop_if_worker_lost(grid, replies, server_round)
     evaluation = strategy.evaluation_of(evaluate, replies)
     summary = evaluation.summary()

@@ -86,6 +86,11 @@ class ClientDirectory:
         self._idle_logged: set[str] = set()
         self._placement_logged = False
 
+    def waited_for(self, client_id: str) -> None:
+        """``client_id``'s node was waited for in this round (and did not come back): the next
+        :meth:`connected` goes on without waiting for it again."""
+        self._missing = (self._missing or set()) | {client_id}
+
     def learn(self, nodes: Mapping[int, str]) -> None:
         """Nodes seen answering for a client (a fallback to the identification query)."""
         for node, cid in nodes.items():
@@ -191,7 +196,9 @@ class Exchange:
     """
 
     def __init__(self, directory: ClientDirectory, message_type: str, earlier: Exchange | None = None) -> None:
+        self.directory = directory
         self.message_type = message_type
+        self.window_s = min(directory.wait_for_clients, REJOIN_WAIT_S)   # Rejoin: how long a node may be away
         self.node_of = dict(directory.node_of)
         self.node_to_client = directory.node_to_client     # the directory's, learned as nodes answer
         self.query_timeout = directory.query_timeout
@@ -231,6 +238,39 @@ class Exchange:
             self._by_message_id = {m.metadata.message_id: c for m, c in self.addressed if m.metadata.message_id}
         node = reply.metadata.src_node_id
         return self._by_message_id.get(wanted) or self.node_to_client.get(node, f"node-{node}")
+
+    def client_of(self, message: Message) -> str:
+        """The client ``message`` was addressed to."""
+        return next(c for m, c in self.addressed if m is message)
+
+    def resend(self, grid: Grid, lost: list[Message]) -> dict[str, Message]:
+        """``flower_compat.Rejoin``: a new message, with the same content, for each client of
+        ``lost`` (messages whose node was unavailable) whose node is connected now: the same
+        node come back, or the new node of a restarted SuperNode (identified as its client).
+        Keyed by the lost message's id; the others are not back yet."""
+        nodes = set(grid.get_node_ids())
+        self.directory.identify(grid, nodes)
+        own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
+        again: dict[str, Message] = {}
+        for msg in lost:
+            client = self.client_of(msg)
+            if client in own:
+                new = Message(content=msg.content, message_type=msg.metadata.message_type,
+                              dst_node_id=own[client], ttl=self.query_timeout)
+                self.addressed.append((new, client))
+                self.directory.node_of[client] = own[client]
+                log(INFO, "client %s's node is back (node %s): its %s message is sent again", client,
+                    own[client], msg.metadata.message_type)
+                again[msg.metadata.message_id] = new
+        return again
+
+    def give_up(self, lost: Message) -> None:
+        """``flower_compat.Rejoin``: the client's node did not come back within ``window_s``;
+        the next rounds do not wait for it again (:meth:`ClientDirectory.connected`)."""
+        client = self.client_of(lost)
+        log(WARNING, "client %s's node did not come back within %.0f s: it misses this %s", client,
+            self.window_s, lost.metadata.message_type)
+        self.directory.waited_for(client)
 
     def no_reply_reason(self) -> str:
         """Why a node sent nothing back: the round timed out, or (when the grid returned well

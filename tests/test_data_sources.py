@@ -115,8 +115,8 @@ def test_missing_root_names_the_expected_layout(tmp_path):
 
 
 def test_unknown_source_and_domain_transform():
-    with pytest.raises(DatasetError, match="unknown dataset source 'nope'"):
-        build_federated_data({**BASE, "source": "nope", "domains": ["original"]}, seed=0)
+    with pytest.raises(DatasetError, match="dataset.source must be one of .*got 'nope'"):
+        build_federated_data({**BASE, "name": "d", "root": "", "source": "nope", "domains": ["original"]}, seed=0)
     with pytest.raises(DatasetError, match="unknown domain transform 'swirl'"):
         build_federated_data({**BASE, "name": "d", "root": "", "source": "digits", "domains": ["swirl"]}, seed=0)
 

@@ -281,15 +281,13 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
 def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     """Insecure mode (asked for explicitly): FedAvg for 2 rounds, then FedBN for 3 rounds
     while SuperNode 1 is killed (its whole process group) after round 1 is recorded and
-    restarted with the same node-config. The run completes and client 1's private state
-    continues: the restarted SuperNode trains on top of the state saved before the kill.
-
-    Its numbers are those of the simulation in which client 1's round-2 training fails and
-    nothing restarts (``PFLOWER_FAULTS``), every client and round digit for digit: round 2
-    evaluates client 1 (the inverted digits) with its round-1 BN layers and shared layers
-    averaged over the two other domains only, which reads 0.0 here in both (FedBN's own
-    model for a client that missed a round, not a restart's doing); it trains again in
-    round 3 and reads 0.74 in both."""
+    restarted with the same node-config. Its round-2 train message is lost with the node (the
+    SuperLink answers it ``NODE_UNAVAILABLE``); the ServerApp identifies the restarted node (a
+    new node id) and sends that message again (``common/flower_compat.py: send_and_receive``).
+    The run completes with no client failed, client 1's private state continues (the restarted
+    SuperNode trains on top of the state saved before the kill), and every client's numbers
+    in every round are those of the same run in the simulation, where nothing restarts, digit
+    for digit: the restart costs time, not results."""
     results = tmp_path / "results"
     with Deployment(3, "insecure", workdir=tmp_path / "work") as dep:
         code = dep.run(_run_cfg("fedavg", "fedavg", results), timeout=900)
@@ -308,29 +306,28 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     assert run_result(results / "fedbn", 0, 0)[0]
     recs = _rounds(results, "fedbn")
     assert [r["round"] for r in recs] == [1, 2, 3]
-    assert "1" in recs[1]["failed"]   # its round-2 training was lost with the process
-    # back in round 3: the round waits for a node that has just disappeared (REJOIN_WAIT_S)
-    assert "1" in recs[2]["sampled"] and "1" not in recs[2]["failed"], recs[2]
+    assert [r["failed"] for r in recs] == [{}, {}, {}], [r["failed"] for r in recs]
+    assert all(sorted(r["sampled"]) == ["0", "1", "2"] for r in recs)
     assert recs[-1]["clients"].keys() == {"0", "1", "2"}  # every client evaluated at the end
     state_dir = tmp_path / "work" / "nodes" / "1" / "state" / "fedbn" / "1"
     meta = read_meta(max(state_dir.glob("state-r*.npz")))
     # state saved by the restarted process descends from the one saved before the kill
-    assert meta["trained_rounds"][0] == 1 and meta["trained_rounds"][-1] == 3, meta
+    assert meta["trained_rounds"] == [1, 2, 3], meta
     log = (tmp_path / "work" / "supernode-1.log").read_text().split("===== pflower: start #2")[1]
-    assert "Receiving: train message" in log  # ... and it was the restarted SuperNode
+    # the restarted SuperNode was identified, then trained rounds 2 (the message sent again) and 3
+    assert log.count("Receiving: query message") >= 1 and log.count("Receiving: train message") == 2, log[-3000:]
     assert not _leftovers(tmp_path / "work")
 
     twin = subprocess.run([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", "strategy=fedbn",
                            "rounds=3", "run_name=twin", f"results_root={results}", *FAST], cwd=REPO,
-                          env={**os.environ, "PFLOWER_FAULTS": json.dumps({"crash_clients": ["1"], "crash_round": 2})},
                           capture_output=True, text=True, timeout=900)
     assert twin.returncode == 0, twin.stdout[-2000:] + twin.stderr[-2000:]
     twins = _rounds(results, "twin")
-    assert [set(r["failed"]) for r in twins] == [set(r["failed"]) for r in recs] == [set(), {"1"}, set()]
+    assert [r["failed"] for r in twins] == [{}, {}, {}]
     for deployed, simulated in zip(recs, twins, strict=True):
         assert deployed.get("clients") == simulated.get("clients"), deployed["round"]   # none in round 1
-    # the restarted client, once trained again, is where a client that never restarted is
-    assert recs[2]["clients"]["1"]["accuracy"] > 0.5, recs[2]["clients"]["1"]
+    # the restarted client's accuracy, before the kill's round and after it, is the undisturbed one
+    assert recs[1]["clients"]["1"] == twins[1]["clients"]["1"] and recs[1]["clients"]["1"]["accuracy"] > 0.3
 
 
 @pytest.mark.e2e

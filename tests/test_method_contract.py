@@ -37,7 +37,7 @@ from helpers import PRIVATE_FORM, FakeGrid
 from client import app as client_app
 from client.secure_aggregation import stage_of
 from common.config import compose_config, run_settings
-from common.methods import method, method_names, parameter_roles
+from common.methods import method, method_names, resolve_method, roles_of
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
 from common.secure_aggregation import COLLECT, MASKED_RECORD, WEIGHT_ENTRY
@@ -148,7 +148,7 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path, monkeypatc
     before: dict[str, Any] = {}
     strategy, clients, cfg = _federate(one, run_id=1, before=before)
     initial = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
-    roles = parameter_roles(cfg.strategy, strategy.model)
+    roles = roles_of(resolve_method(cfg.strategy).row, strategy.model)
     assert set(roles) == set(strategy.model.state_dict())
     record = _records(tmp_path / "restarted")[-1]
     assert record["failed"] == {} and record["rejected"] == {}, (record["failed"], record["rejected"])

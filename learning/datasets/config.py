@@ -99,7 +99,6 @@ class DatasetConfig:
                   f"{self.synthetic_size}/{self.image_size}", DatasetError)
 
 
-
 def held_out_domains(dataset_cfg: Mapping[str, Any]) -> set[str]:
     """``dataset.heldout_domains``: domains none of the training clients has (FDSE's
     leave-one-domain-out test): all their clients are held-out new clients."""

@@ -123,10 +123,8 @@ def _load_federated_data_cached(frozen: str, seed: int) -> FederatedData:
 
 def build_federated_data(dataset_cfg: Mapping[str, Any], seed: int) -> FederatedData:
     """Build every client's split. Deterministic in (cfg, seed)."""
-    source = str(dataset_cfg.get("source"))
-    if source not in SOURCES:
-        raise DatasetError(f"unknown dataset source {source!r}; valid: {', '.join(SOURCES)}")
-    cfg = dataset_config(dataset_cfg)
+    cfg = dataset_config(dataset_cfg)   # names an unknown source, key or value
+    source = cfg.source
     domains: list[str] = list(cfg.domains)
     if source == "imagefolder" and not cfg.synthetic and not domains and cfg.root and Path(cfg.root).is_dir():
         domains = [p.name for p in subfolders(Path(cfg.root))]

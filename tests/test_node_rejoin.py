@@ -1,0 +1,126 @@
+"""A message whose node was unavailable (the SuperLink's ``NODE_UNAVAILABLE`` error: a SuperNode
+restarting, or the SuperLink paused so that it missed the node's heartbeats) is sent again to
+the client's node once it is back, so that the round ends as the undisturbed round does; a node
+that stays away fails its client for the round once, and the next round does not wait for it
+again (``common/flower_compat.py: send_and_receive``, ``strategies/addressing.py: Exchange``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message, RecordDict
+from helpers import FakeGrid, make_strategy
+
+from common import flower_compat
+from common.flower_compat import NODE_UNAVAILABLE, node_unavailable, send_and_receive
+from common.protocol import make_reply
+from strategies.baselines import FedAvg
+
+REF = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+SIZES = {"0": 10, "1": 30, "2": 60}
+REASON = "Error: Node Unavailable - The destination node failed to report a heartbeat"
+
+
+def _client(cid: str, msg: Message) -> Message:
+    """Each client uploads the server's arrays plus its own value (w = b = 1, 2, 3)."""
+    v = float(cid) + 1.0
+    return make_reply(msg, {"w": np.full((4, 3), v, np.float32), "b": np.full(3, -v, np.float32)},
+                      {"loss": v}, cid, SIZES[cid])
+
+
+class RestartingGrid(FakeGrid):
+    """A deployment's grid, pushed and pulled, in which client ``lost``'s node goes away when its
+    first message arrives (the SuperLink answers that message with ``NODE_UNAVAILABLE``) and,
+    after the server has looked for the nodes ``away_looks`` times, comes back as a new node (a
+    restarted insecure SuperNode gets a new node id); ``None`` = it never comes back."""
+
+    def __init__(self, client_ids: list[str], lost: str, away_looks: int | None) -> None:
+        super().__init__(client_ids, _client)
+        self.lost, self.away_looks = lost, away_looks
+        self.old_node = self.node_of[lost]
+        self.looks = 0
+        self.replies: dict[str, Message] = {}
+        self.delivered: list[tuple[int, str]] = []   # (node, message type) of what reached a node
+
+    def get_node_ids(self) -> list[int]:
+        if self.old_node not in self.client_of:   # away
+            self.looks += 1
+            if self.away_looks is not None and self.looks == self.away_looks:   # the restarted node registers
+                new_node = self.old_node + 1
+                self.node_of[self.lost] = new_node
+                self.client_of[new_node] = self.lost
+        return list(self.client_of)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            node = msg.metadata.dst_node_id
+            if node == self.old_node and node in self.client_of and msg.metadata.message_type != "query":
+                del self.client_of[node]   # the node dies with this message
+                reply = Message(Error(code=NODE_UNAVAILABLE, reason=REASON), reply_to=msg)
+            elif node in self.client_of:
+                self.delivered.append((node, msg.metadata.message_type))
+                reply = self.answer(msg)
+            else:
+                reply = Message(Error(code=NODE_UNAVAILABLE, reason=REASON), reply_to=msg)
+            self.replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+
+def _round(grid: FakeGrid, wait_for_clients: float = 30.0) -> tuple[FedAvg, object]:
+    strategy = make_strategy(FedAvg, dict(REF), list(SIZES), wait_for_clients=wait_for_clients)
+    train = strategy.begin_train(1, {}, grid)
+    send_and_receive(grid, train.messages, timeout=60.0, on_reply=train.replies.take, rejoin=train.exchange)
+    return strategy, strategy.aggregate_round(train)
+
+
+@pytest.fixture(autouse=True)
+def _fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flower_compat, "REPLY_POLL_S", 0.001)
+    monkeypatch.setattr(flower_compat, "RESEND_POLL_S", 0.0)
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_message_whose_node_restarts_is_sent_again_and_the_round_is_the_undisturbed_one() -> None:
+    twin_strategy, twin = _round(FakeGrid(list(SIZES), _client))
+    grid = RestartingGrid(list(SIZES), lost="1", away_looks=3)
+    strategy, result = _round(grid)
+    assert result.log.failed == {} and sorted(result.log.replied) == ["0", "1", "2"], result.log.failed
+    assert (grid.old_node + 1, "train") in grid.delivered       # client 1's message went to its new node
+    assert strategy.directory.node_of["1"] == grid.old_node + 1
+    for key in REF:
+        np.testing.assert_array_equal(strategy.global_arrays[key], twin_strategy.global_arrays[key])
+    # the mean of the three uploads, written out: (10*1 + 30*2 + 60*3) / 100 = 2.5
+    np.testing.assert_allclose(strategy.global_arrays["w"], np.full((4, 3), 2.5, np.float32))
+    assert result.metrics == twin.metrics
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_node_that_stays_away_fails_its_client_once_and_is_not_waited_for_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    grid = RestartingGrid(list(SIZES), lost="1", away_looks=None)
+    strategy, result = _round(grid, wait_for_clients=0.05)    # the window: min(wait_for_clients, 60 s)
+    assert list(result.log.failed) == ["1"] and "Node Unavailable" in result.log.failed["1"], result.log.failed
+    np.testing.assert_allclose(strategy.global_arrays["w"], np.full((4, 3), (10 * 1 + 60 * 3) / 70, np.float32))
+    slept: list[float] = []
+    monkeypatch.setattr("strategies.addressing.time.sleep", slept.append)
+    assert strategy.directory.connected(grid) == ["0", "2"]
+    assert slept == []     # waited for within the round: the next round goes on without it
+
+
+def test_only_the_superlinks_node_unavailable_error_is_sent_again() -> None:
+    reply = Message(Error(code=NODE_UNAVAILABLE, reason=REASON), reply_to=Message(
+        content=RecordDict(), dst_node_id=1, message_type="train"))
+    assert node_unavailable(reply)
+    for code in (0, 2, 3, 4, 8):   # a ClientApp that raised, a message or reply that expired, a crash
+        other = Message(Error(code=code, reason="x"), reply_to=Message(
+            content=RecordDict(), dst_node_id=1, message_type="train"))
+        assert not node_unavailable(other), code
