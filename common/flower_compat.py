@@ -168,8 +168,9 @@ class Rejoin(Protocol):
 
     window_s: float   # how long a client's node may be away before its message is given up
 
-    def resend(self, grid: Any, lost: list[Any]) -> dict[str, Any]:
-        """New messages for the clients of ``lost`` whose node is back (by the lost message's id)."""
+    def resend(self, grid: Any, lost: list[Any], time_left: float) -> dict[str, Any]:
+        """New messages for the clients of ``lost`` whose node is back (by the lost message's id),
+        each to live ``time_left`` seconds (what is left of the round), looked for within it."""
         ...
 
     def give_up(self, lost: Any) -> None:
@@ -223,7 +224,9 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     del messages
     ids = list(grid.push_messages(outgoing))
     waiting = {i for i in ids if i}
-    pushed = dict(zip(ids, outgoing, strict=True)) if rejoin is not None else {}
+    # a grid that refused a message returns no id for it (Flower's HttpGrid: none at all on HTTP
+    # 413): such messages are not sent again, their clients fail with no reply, as before
+    pushed = dict(zip(ids, outgoing, strict=True)) if rejoin is not None and len(ids) == len(outgoing) else {}
     del outgoing
     held: dict[str, tuple[Any, float]] = {}   # lost message id -> (its error reply, when it is given up)
     replies: list[Any] = []
@@ -241,15 +244,17 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
                 replies.append(keep(reply))
         del arrived
         now = time.monotonic()
-        if held and rejoin is not None and now >= next_look:
+        if held and rejoin is not None and now >= next_look and end - now > REPLY_POLL_S:
             next_look = now + RESEND_POLL_S
-            for lost, again in rejoin.resend(grid, [pushed[i] for i in held]).items():
+            for lost, again in rejoin.resend(grid, [pushed[i] for i in held], end - now).items():
                 new_ids = list(grid.push_messages([again]))
                 if new_ids and new_ids[0]:
                     held.pop(lost)
                     waiting.add(new_ids[0])
                     pushed[new_ids[0]] = again
-            for lost in [i for i, (_, give_up_at) in held.items() if now >= give_up_at]:
+            now = time.monotonic()
+        if held and rejoin is not None:   # every pass, and at the round's end: the node did not come back
+            for lost in [i for i, (_, give_up_at) in held.items() if now >= give_up_at or now >= end]:
                 reply, _ = held.pop(lost)
                 rejoin.give_up(pushed[lost])
                 replies.append(keep(reply))
@@ -259,7 +264,9 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
             time.sleep(REPLY_POLL_S)   # the SuperLink is another process: pull again
         else:                          # the simulation: wake when a reply is stored (item 9)
             wait_for_a_store(seen, min(REPLY_POLL_S, max(end - time.monotonic(), 0.0)))
-    for reply, _ in held.values():     # the round's time ran out while their nodes were away
+    for lost, (reply, _) in held.items():   # (not reached: given up above at the round's end)
+        if rejoin is not None:
+            rejoin.give_up(pushed[lost])
         replies.append(keep(reply))
     return replies
 

@@ -96,18 +96,19 @@ class ClientDirectory:
         for node, cid in nodes.items():
             self.node_to_client.setdefault(node, cid)
 
-    def identify(self, grid: Grid, nodes: Iterable[int]) -> None:
+    def identify(self, grid: Grid, nodes: Iterable[int], timeout: float | None = None) -> None:
         """Learn the stable client id of nodes not seen yet with one QUERY message each
-        (bounded by the round timeout). Node ids are random per run and change when a
+        (bounded by the round timeout, or ``timeout``). Node ids are random per run and change when a
         SuperNode restarts or a run is resumed; without this, the first round (and the
         first round after a resume) could neither sample by client id nor send each client
         its personal arrays."""
         unknown = [n for n in nodes if n not in self.node_to_client]
         if not unknown:
             return
+        wait = self.query_timeout if timeout is None else max(min(timeout, self.query_timeout), 1.0)
         messages = [Message(content=RecordDict({CONFIG_KEY: ConfigRecord({})}), message_type=MessageType.QUERY,
-                            dst_node_id=n, ttl=self.query_timeout) for n in unknown]
-        for msg in send_and_receive(grid, messages, timeout=self.query_timeout):
+                            dst_node_id=n, ttl=wait) for n in unknown]
+        for msg in send_and_receive(grid, messages, timeout=wait):
             if msg.has_error():
                 log(WARNING, "node %s did not identify itself: %s", msg.metadata.src_node_id, msg.error.reason)
                 continue
@@ -243,20 +244,22 @@ class Exchange:
         """The client ``message`` was addressed to."""
         return next(c for m, c in self.addressed if m is message)
 
-    def resend(self, grid: Grid, lost: list[Message]) -> dict[str, Message]:
+    def resend(self, grid: Grid, lost: list[Message], time_left: float) -> dict[str, Message]:
         """``flower_compat.Rejoin``: a new message, with the same content, for each client of
         ``lost`` (messages whose node was unavailable) whose node is connected now: the same
         node come back, or the new node of a restarted SuperNode (identified as its client).
-        Keyed by the lost message's id; the others are not back yet."""
+        Keyed by the lost message's id; the others are not back yet. The new message lives
+        ``time_left`` (what is left of the round: a message the round gave up on is never
+        delivered late), and identifying new nodes waits no longer."""
         nodes = set(grid.get_node_ids())
-        self.directory.identify(grid, nodes)
+        self.directory.identify(grid, nodes, timeout=time_left)
         own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
         again: dict[str, Message] = {}
         for msg in lost:
             client = self.client_of(msg)
             if client in own:
                 new = Message(content=msg.content, message_type=msg.metadata.message_type,
-                              dst_node_id=own[client], ttl=self.query_timeout)
+                              dst_node_id=own[client], ttl=max(time_left, 1.0))
                 self.addressed.append((new, client))
                 self.directory.node_of[client] = own[client]
                 log(INFO, "client %s's node is back (node %s): its %s message is sent again", client,

@@ -283,7 +283,9 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     while SuperNode 1 is killed (its whole process group) after round 1 is recorded and
     restarted with the same node-config. Its round-2 train message is lost with the node (the
     SuperLink answers it ``NODE_UNAVAILABLE``); the ServerApp identifies the restarted node (a
-    new node id) and sends that message again (``common/flower_compat.py: send_and_receive``).
+    new node id) and sends that message again (``common/flower_compat.py: send_and_receive``;
+    had the kill come before round 2 was sampled, round 2 would have waited for the new node
+    instead: either way client 1 trains round 2 on its new node, which this asserts).
     The run completes with no client failed, client 1's private state continues (the restarted
     SuperNode trains on top of the state saved before the kill), and every client's numbers
     in every round are those of the same run in the simulation, where nothing restarts, digit
@@ -326,7 +328,7 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     assert [r["failed"] for r in twins] == [{}, {}, {}]
     for deployed, simulated in zip(recs, twins, strict=True):
         assert deployed.get("clients") == simulated.get("clients"), deployed["round"]   # none in round 1
-    # the restarted client's accuracy, before the kill's round and after it, is the undisturbed one
+    # the restarted client's accuracy in the kill's round is the undisturbed one (not the 0.0 of old)
     assert recs[1]["clients"]["1"] == twins[1]["clients"]["1"] and recs[1]["clients"]["1"]["accuracy"] > 0.3
 
 

@@ -75,10 +75,10 @@ class RestartingGrid(FakeGrid):
         return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
 
 
-def _round(grid: FakeGrid, wait_for_clients: float = 30.0) -> tuple[FedAvg, object]:
+def _round(grid: FakeGrid, wait_for_clients: float = 30.0, timeout: float = 60.0) -> tuple[FedAvg, object]:
     strategy = make_strategy(FedAvg, dict(REF), list(SIZES), wait_for_clients=wait_for_clients)
     train = strategy.begin_train(1, {}, grid)
-    send_and_receive(grid, train.messages, timeout=60.0, on_reply=train.replies.take, rejoin=train.exchange)
+    send_and_receive(grid, train.messages, timeout=timeout, on_reply=train.replies.take, rejoin=train.exchange)
     return strategy, strategy.aggregate_round(train)
 
 
@@ -124,3 +124,44 @@ def test_only_the_superlinks_node_unavailable_error_is_sent_again() -> None:
         other = Message(Error(code=code, reason="x"), reply_to=Message(
             content=RecordDict(), dst_node_id=1, message_type="train"))
         assert not node_unavailable(other), code
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_node_away_when_the_round_ends_is_given_up_and_not_waited_for_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window (30 s) is longer than what is left of the round (0.3 s): the round's end gives
+    the node up, so the evaluation's and next round's ``connected()`` do not wait for it."""
+    grid = RestartingGrid(list(SIZES), lost="1", away_looks=None)
+    strategy, result = _round(grid, wait_for_clients=30.0, timeout=0.3)
+    assert list(result.log.failed) == ["1"], result.log.failed
+    slept: list[float] = []
+    monkeypatch.setattr("strategies.addressing.time.sleep", slept.append)
+    assert strategy.directory.connected(grid) == ["0", "2"] and slept == []
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_resent_message_lives_only_as_long_as_the_round() -> None:
+    grid = RestartingGrid(list(SIZES), lost="1", away_looks=3)
+    strategy = make_strategy(FedAvg, dict(REF), list(SIZES), wait_for_clients=30.0, round_timeout=600.0)
+    train = strategy.begin_train(1, {}, grid)
+    send_and_receive(grid, train.messages, timeout=20.0, on_reply=train.replies.take, rejoin=train.exchange)
+    resent = [m for m, c in train.exchange.addressed if c == "1"][-1]
+    assert resent.metadata.dst_node_id == grid.old_node + 1
+    assert resent.metadata.ttl <= 20.0     # not the round timeout's 600 s from the time it was sent
+
+
+class RefusingGrid(RestartingGrid):
+    """Pushes nothing (Flower's HttpGrid returns no ids when the SuperLink answers HTTP 413)."""
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        list(messages)
+        return []
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_grid_that_returns_no_ids_fails_the_clients_without_crashing_the_round() -> None:
+    grid = RefusingGrid(list(SIZES), lost="1", away_looks=None)
+    strategy = make_strategy(FedAvg, dict(REF), list(SIZES), min_train_clients=0)
+    train = strategy.begin_train(1, {}, grid)
+    assert send_and_receive(grid, train.messages, timeout=1.0, on_reply=train.replies.take,
+                            rejoin=train.exchange) == []
