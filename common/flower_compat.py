@@ -55,6 +55,10 @@ newest Flower the package index serves, which items no longer apply.
     (``flwr/supercore/task_identity.py``, ``flwr/cli/install.py``, ``flwr/clientapp/utils.py``).
 15. :func:`parse_node_config`: a ``--node-config`` string parsed as ``flower-supernode`` parses it
     (``flwr/common/config.py``).
+16. :func:`keep_node_state`, :func:`fail_task_now`: a ClientApp task whose process died is
+    failed at once, as Flower fails it when its heartbeats stop (``CLIENT_APP_CRASHED``), not
+    after the 10 minutes of item 3 (``flwr/supernode/nodestate/``,
+    ``flwr/supercore/corestate/in_memory_corestate.py``).
 """
 
 from __future__ import annotations
@@ -190,6 +194,24 @@ def node_unavailable(reply: Any) -> bool:
     return bool(reply.has_error()) and int(reply.error.code) == NODE_UNAVAILABLE
 
 
+# ErrorCode.CLIENT_APP_CRASHED (1.39 and 1.42): the SuperNode's reply to a message whose ClientApp
+# stopped responding (its process died: killed, out of memory) while the node itself lives on
+CLIENT_APP_CRASHED = 8
+CRASH_RESENDS = 1   # a message whose ClientApp crashed is sent again once; a second crash is handed on
+
+
+def client_app_crashed(reply: Any) -> bool:
+    """Whether ``reply`` is the SuperNode's error for a message whose ClientApp process died."""
+    return bool(reply.has_error()) and int(reply.error.code) == CLIENT_APP_CRASHED
+
+
+def may_send_again(reply: Any, crashes: int) -> bool:
+    """Whether the message ``reply`` answers is sent again: its node was unavailable (however
+    often), or its ClientApp crashed and fewer than ``CRASH_RESENDS`` of its sends crashed before
+    (a ClientApp that crashes every time, say out of memory, fails its client as before)."""
+    return node_unavailable(reply) or (client_app_crashed(reply) and crashes < CRASH_RESENDS)
+
+
 def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
                      on_reply: Callable[[Any], Any] | None = None, rejoin: Rejoin | None = None) -> list[Any]:
     """``grid.send_and_receive``, but pulling replies every ``REPLY_POLL_S`` seconds and
@@ -210,9 +232,10 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     SuperNode restarting, or the SuperLink paused or restarted so that it missed the node's
     heartbeats) is held, not handed on: it is sent again, by ``rejoin.resend``, to the node
     serving its client once that node is connected, for up to ``rejoin.window_s`` (and within
-    ``timeout``). A client's training loads its state of the round before, so the round
-    then ends as if nothing had happened; a node that does not come back in time fails its
-    client for the round with the SuperLink's error, as before."""
+    ``timeout``). So is, once, a message whose ClientApp crashed on a live node
+    (:func:`client_app_crashed`, :func:`may_send_again`). A client's training loads its state of
+    the round before, so the round then ends as if nothing had happened; a node that does not
+    come back in time fails its client for the round with the SuperLink's error, as before."""
     keep = on_reply if on_reply is not None else (lambda message: message)
     deployment = is_deployment_grid(grid)
     simulation = is_simulation_grid(grid)
@@ -229,6 +252,7 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
     pushed = dict(zip(ids, outgoing, strict=True)) if rejoin is not None and len(ids) == len(outgoing) else {}
     del outgoing
     held: dict[str, tuple[Any, float]] = {}   # lost message id -> (its error reply, when it is given up)
+    crashes: dict[str, int] = {}              # message id -> how many earlier sends of it crashed
     replies: list[Any] = []
     end = time.monotonic() + timeout
     next_look = 0.0
@@ -238,7 +262,7 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
         waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
         for reply in arrived:
             lost = reply.metadata.reply_to_message_id
-            if rejoin is not None and lost in pushed and node_unavailable(reply):
+            if rejoin is not None and lost in pushed and may_send_again(reply, crashes.get(lost, 0)):
                 held[lost] = (reply, min(end, time.monotonic() + rejoin.window_s))
             else:
                 replies.append(keep(reply))
@@ -249,9 +273,10 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
             for lost, again in rejoin.resend(grid, [pushed[i] for i in held], end - now).items():
                 new_ids = list(grid.push_messages([again]))
                 if new_ids and new_ids[0]:
-                    held.pop(lost)
+                    reply, _ = held.pop(lost)
                     waiting.add(new_ids[0])
                     pushed[new_ids[0]] = again
+                    crashes[new_ids[0]] = crashes.get(lost, 0) + client_app_crashed(reply)
             now = time.monotonic()
         if held and rejoin is not None:   # every pass, and at the round's end: the node did not come back
             for lost in [i for i, (_, give_up_at) in held.items() if now >= give_up_at or now >= end]:
@@ -264,11 +289,7 @@ def send_and_receive(grid: Any, messages: Iterable[Any], timeout: float,
             time.sleep(REPLY_POLL_S)   # the SuperLink is another process: pull again
         else:                          # the simulation: wake when a reply is stored (item 9)
             wait_for_a_store(seen, min(REPLY_POLL_S, max(end - time.monotonic(), 0.0)))
-    for lost, (reply, _) in held.items():   # (not reached: given up above at the round's end)
-        if rejoin is not None:
-            rejoin.give_up(pushed[lost])
-        replies.append(keep(reply))
-    return replies
+    return replies   # (nothing is held here: the round's end gave up every held message above)
 
 
 # ---------------------------------------------------------------------- 2. object pulls
@@ -368,6 +389,7 @@ def run_supernode(argv: list[str], poll_interval: float) -> None:
 
     loop.time = capped_time(poll_interval)   # type: ignore[attr-defined]
     release_messages_of_stopped_runs(loop)
+    keep_node_state()
     shorten_object_pull_backoff()
     lengthen_task_heartbeat_ttl()
     sys.argv = ["flower-supernode", *argv]
@@ -383,6 +405,67 @@ def run_superlink(argv: list[str]) -> None:
     lengthen_task_heartbeat_ttl()
     sys.argv = ["flower-superlink", *argv]
     flower_superlink()
+
+
+# ---------------------------------------------------------------------- 16. a ClientApp that died
+# Flower's SuperNode learns that a ClientApp task's process died only when the task's
+# heartbeats stop for HEARTBEAT_PATIENCE x 30 s (10 minutes with item 3): it then answers the
+# task's message with CLIENT_APP_CRASHED (InMemoryNodeState._on_task_tokens_expired). Until then
+# its loop waits for that reply and pulls no other message (start_client_internal.py:
+# _push_messages): the node is lost to the run, and the server's message expires (found by
+# bench/chaos.py: a SIGKILLed runner under a live SuperNode). ``pflower-supernode`` knows at once
+# when its runner died during a task (the stand-in holding the task's token tells it,
+# ops/node/runner.py): the token's time runs out now, and Flower's own expiry does the rest, as
+# it would 10 minutes later. Both releases keep tokens in ``task_token_store`` /
+# ``task_token_to_task_id`` under ``lock_task_store`` (flwr/supercore/corestate/in_memory_corestate.py).
+_NODE_STATES: list[Any] = []   # the NodeStates this process's SuperNode made
+
+
+def keep_node_state() -> bool:
+    """Keep the NodeState this process's SuperNode creates, for :func:`fail_task_now`. False
+    (and a warning) when this Flower's node state has no such factory."""
+    from flwr.common.logger import log
+    from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
+
+    original = NodeStateFactory.state
+    if getattr(original, "_pflower_kept", False):
+        return True
+    if not callable(original):
+        log(WARNING, "pflower: this Flower's NodeStateFactory changed; a dead ClientApp fails after its heartbeats")
+        return False
+
+    @functools.wraps(original)
+    def state(self: Any) -> Any:
+        made = original(self)
+        if not any(made is kept for kept in _NODE_STATES):
+            _NODE_STATES.append(made)
+        return made
+
+    state._pflower_kept = True   # type: ignore[attr-defined]
+    NodeStateFactory.state = state   # type: ignore[method-assign]
+    return True
+
+
+def fail_task_now(token: str) -> bool:
+    """End the heartbeat time of the ClientApp task holding ``token`` now, as if its heartbeats
+    had stopped 10 minutes ago: Flower then answers the message of a task that had started with
+    ``CLIENT_APP_CRASHED`` (the server sends it again, :func:`may_send_again`) and puts a task
+    still starting back to pending (its SuperExec starts it again). False when no kept NodeState
+    holds the token (the task finished, or it is another SuperNode's)."""
+    from datetime import timedelta
+
+    from flwr.supercore.date import now
+
+    for state in _NODE_STATES:
+        with state.lock_task_store:
+            task_id = state.task_token_to_task_id.get(token)
+            record = state.task_token_store.get(task_id) if task_id is not None else None
+            if record is None:
+                continue
+            record.active_until = now() - timedelta(seconds=1)
+            state._cleanup_expired_task_tokens_locked()
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------- 6. one ClientApp task
@@ -902,6 +985,43 @@ def _items_13_15() -> bool:
             and parse_node_config('partition-id=0 state-dir="/x"') == {"partition-id": 0, "state-dir": "/x"})
 
 
+def _item_16() -> bool:
+    """A NodeState kept, a started ClientApp task failed by its token: its message answered
+    ``CLIENT_APP_CRASHED``."""
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
+
+    if not keep_node_state():
+        return False
+    state = NodeStateFactory(ObjectStoreFactory()).state()
+    try:
+        return any(r.error.code == CLIENT_APP_CRASHED for r in _crash_one_task(state, TaskType.CLIENT_APP))
+    finally:
+        _NODE_STATES.remove(state)
+
+
+def _crash_one_task(state: Any, task_type: str, run_id: int = 1) -> list[Any]:
+    """Start a task of ``run_id`` whose message the ClientApp took, fail it by its token
+    (:func:`fail_task_now`), and return the replies the node then has to send."""
+    from flwr.app import Message, RecordDict
+
+    state.set_node_id(7)
+    set_task_identity(run_id, 0, 0)
+    sent = Message(RecordDict(), dst_node_id=7, message_type="train", group_id="1")
+    sent.metadata.__dict__["_message_id"] = sent.object_id
+    state.store_message(sent)
+    task_id = state.create_task(task_type, run_id)
+    token = state.claim_task(task_id)
+    state.activate_task(task_id)
+    messages = getattr(state, "get_messages_legacy", None) or state.get_messages
+    taken = [m.metadata.message_id for m in messages(run_ids=[run_id], is_reply=False)]
+    state.record_message_processing_start(sent.metadata.message_id)   # as the Runtime API's pull does
+    if taken != [sent.metadata.message_id] or token is None or not fail_task_now(token):
+        return []
+    return [m for m in messages(is_reply=True) if m.metadata.reply_to_message_id == sent.metadata.message_id]
+
+
 def item_report() -> list[tuple[str, bool, str]]:
     """Each item applied (or imported and exercised) in this process, on the installed Flower:
     (item, applies, why not). ``bench/next_flower.py`` runs it on the next release."""
@@ -916,6 +1036,7 @@ def item_report() -> list[tuple[str, bool, str]]:
         ("7 indexed message lookup (in_memory_linkstate.py)", index_undelivered_messages),
         ("9 the engine's pass loop (fleet/vce/vce_api.py)", lambda: engine_waits_for_messages(load=True)),
         ("13-15 messages, contexts, task identity, FAB, node config", _items_13_15),
+        ("16 a dead ClientApp's task failed at once (nodestate/, in_memory_corestate.py)", _item_16),
     ]
     rows = []
     for name, check in checks:

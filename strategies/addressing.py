@@ -246,8 +246,9 @@ class Exchange:
 
     def resend(self, grid: Grid, lost: list[Message], time_left: float) -> dict[str, Message]:
         """``flower_compat.Rejoin``: a new message, with the same content, for each client of
-        ``lost`` (messages whose node was unavailable) whose node is connected now: the same
-        node come back, or the new node of a restarted SuperNode (identified as its client).
+        ``lost`` (messages whose node was unavailable, or whose ClientApp crashed) whose node is
+        connected now: the same node (come back, or alive all along), or the new node of a
+        restarted SuperNode (identified as its client).
         Keyed by the lost message's id; the others are not back yet. The new message lives
         ``time_left`` (what is left of the round: a message the round gave up on is never
         delivered late), and identifying new nodes waits no longer."""
@@ -262,8 +263,8 @@ class Exchange:
                               dst_node_id=own[client], ttl=max(time_left, 1.0))
                 self.addressed.append((new, client))
                 self.directory.node_of[client] = own[client]
-                log(INFO, "client %s's node is back (node %s): its %s message is sent again", client,
-                    own[client], msg.metadata.message_type)
+                log(INFO, "client %s's %s message is sent again, to node %s", client, msg.metadata.message_type,
+                    own[client])
                 again[msg.metadata.message_id] = new
         return again
 

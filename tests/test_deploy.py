@@ -277,8 +277,23 @@ def test_tls_auth_deployment_runs_fedavg_and_fedbn_via_the_cli(tmp_path):
     assert not _leftovers(work), "processes left behind"
 
 
+@pytest.fixture(scope="module")
+def fedbn_twin(tmp_path_factory) -> list[dict]:
+    """The rounds of FedBN on ``deploy-3`` for 3 rounds in the simulation, where nothing fails:
+    what a deployment disturbed by a restart must give, digit for digit."""
+    results = tmp_path_factory.mktemp("twin")
+    env = {k: v for k, v in os.environ.items() if k != "PFLOWER_FAULTS"}
+    twin = subprocess.run([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", "strategy=fedbn",
+                           "rounds=3", "run_name=twin", f"results_root={results}", *FAST], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert twin.returncode == 0, twin.stdout[-2000:] + twin.stderr[-2000:]
+    twins = _rounds(results, "twin")
+    assert [r["failed"] for r in twins] == [{}, {}, {}]
+    return twins
+
+
 @pytest.mark.e2e
-def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
+def test_insecure_deployment_survives_a_supernode_restart(tmp_path, fedbn_twin):
     """Insecure mode (asked for explicitly): FedAvg for 2 rounds, then FedBN for 3 rounds
     while SuperNode 1 is killed (its whole process group) after round 1 is recorded and
     restarted with the same node-config. Its round-2 train message is lost with the node (the
@@ -320,16 +335,40 @@ def test_insecure_deployment_survives_a_supernode_restart(tmp_path):
     assert log.count("Receiving: query message") >= 1 and log.count("Receiving: train message") == 2, log[-3000:]
     assert not _leftovers(tmp_path / "work")
 
-    twin = subprocess.run([sys.executable, "-m", "ops.cli", "run", "experiment=deploy-3", "strategy=fedbn",
-                           "rounds=3", "run_name=twin", f"results_root={results}", *FAST], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert twin.returncode == 0, twin.stdout[-2000:] + twin.stderr[-2000:]
-    twins = _rounds(results, "twin")
-    assert [r["failed"] for r in twins] == [{}, {}, {}]
+    twins = fedbn_twin
     for deployed, simulated in zip(recs, twins, strict=True):
         assert deployed.get("clients") == simulated.get("clients"), deployed["round"]   # none in round 1
     # the restarted client's accuracy in the kill's round is the undisturbed one (not the 0.0 of old)
     assert recs[1]["clients"]["1"] == twins[1]["clients"]["1"] and recs[1]["clients"]["1"]["accuracy"] > 0.3
+
+
+@pytest.mark.e2e
+def test_a_runner_that_dies_during_a_task_is_replaced_and_its_message_sent_again(
+        tmp_path, monkeypatch, fedbn_twin):
+    """Insecure deployment, FedBN for 3 rounds; the ClientApp runner of SuperNode 1 exits in
+    the middle of client 1's round-2 training (``exit_clients``, once), while its SuperNode
+    lives on. Found by bench/chaos.py: the SuperNode then waited 10 minutes for the task's
+    heartbeats and the round lost the client. Now the stand-in that held the task leaves its
+    token, the SuperNode fails the task at once (``CLIENT_APP_CRASHED``) and starts another
+    runner (ops/node/runner.py: RunnerKeeper), and the ServerApp sends the message again: no
+    client fails, and every round equals the fault-free simulation's, digit for digit."""
+    results = tmp_path / "results"
+    exited = tmp_path / "exited"
+    monkeypatch.setenv("PFLOWER_FAULTS", json.dumps({"exit_clients": ["1"], "exit_round": 2,
+                                                     "exit_once": str(exited)}))
+    with Deployment(3, "insecure", workdir=tmp_path / "work") as dep:
+        code = dep.run(_run_cfg("fedbn", "fedbn", results, rounds=3), timeout=900)
+        assert code == 0, dep.logs()
+    assert exited.exists()                               # the runner did exit, in round 2
+    recs = _rounds(results, "fedbn")
+    assert [r["failed"] for r in recs] == [{}, {}, {}], [r["failed"] for r in recs]
+    log = (tmp_path / "work" / "supernode-1.log").read_text()
+    assert "exited (code 1); starting another" in log and "it is failed now" in log, log[-3000:]
+    meta = read_meta(max((tmp_path / "work" / "nodes" / "1" / "state" / "fedbn" / "1").glob("state-r*.npz")))
+    assert meta["trained_rounds"] == [1, 2, 3], meta
+    for deployed, simulated in zip(recs, fedbn_twin, strict=True):
+        assert deployed.get("clients") == simulated.get("clients"), deployed["round"]
+    assert not _leftovers(tmp_path / "work")
 
 
 @pytest.mark.e2e

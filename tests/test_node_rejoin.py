@@ -2,7 +2,8 @@
 restarting, or the SuperLink paused so that it missed the node's heartbeats) is sent again to
 the client's node once it is back, so that the round ends as the undisturbed round does; a node
 that stays away fails its client for the round once, and the next round does not wait for it
-again (``common/flower_compat.py: send_and_receive``, ``strategies/addressing.py: Exchange``)."""
+again; a message whose ClientApp crashed on a live node is sent again once
+(``common/flower_compat.py: send_and_receive``, ``strategies/addressing.py: Exchange``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from flwr.app import Error, Message, RecordDict
 from helpers import FakeGrid, make_strategy
 
 from common import flower_compat
-from common.flower_compat import NODE_UNAVAILABLE, node_unavailable, send_and_receive
+from common.flower_compat import (
+    CLIENT_APP_CRASHED,
+    NODE_UNAVAILABLE,
+    client_app_crashed,
+    may_send_again,
+    node_unavailable,
+    send_and_receive,
+)
 from common.protocol import make_reply
 from strategies.baselines import FedAvg
 
@@ -116,14 +124,69 @@ def test_a_node_that_stays_away_fails_its_client_once_and_is_not_waited_for_agai
     assert slept == []     # waited for within the round: the next round goes on without it
 
 
-def test_only_the_superlinks_node_unavailable_error_is_sent_again() -> None:
-    reply = Message(Error(code=NODE_UNAVAILABLE, reason=REASON), reply_to=Message(
-        content=RecordDict(), dst_node_id=1, message_type="train"))
-    assert node_unavailable(reply)
-    for code in (0, 2, 3, 4, 8):   # a ClientApp that raised, a message or reply that expired, a crash
-        other = Message(Error(code=code, reason="x"), reply_to=Message(
+def test_only_an_unavailable_node_or_a_crashed_clientapp_is_sent_again() -> None:
+    def error(code: int) -> Message:
+        return Message(Error(code=code, reason="x"), reply_to=Message(
             content=RecordDict(), dst_node_id=1, message_type="train"))
-        assert not node_unavailable(other), code
+
+    assert node_unavailable(error(NODE_UNAVAILABLE)) and not client_app_crashed(error(NODE_UNAVAILABLE))
+    assert client_app_crashed(error(CLIENT_APP_CRASHED)) and not node_unavailable(error(CLIENT_APP_CRASHED))
+    for code in (0, 2, 3, 4):   # a ClientApp that raised, a message or reply that expired, unknown
+        assert not node_unavailable(error(code)) and not may_send_again(error(code), 0), code
+    assert may_send_again(error(NODE_UNAVAILABLE), 5)            # a node may go away again and again
+    assert may_send_again(error(CLIENT_APP_CRASHED), 0)          # a crash is sent again once
+    assert not may_send_again(error(CLIENT_APP_CRASHED), 1)      # a second crash is the ClientApp's own
+
+
+class CrashingGrid(FakeGrid):
+    """A deployment's grid in which client ``crashed``'s ClientApp dies on its first
+    ``crashes`` messages (its SuperNode answers each ``CLIENT_APP_CRASHED``) while its node
+    stays connected; later messages are answered."""
+
+    def __init__(self, client_ids: list[str], crashed: str, crashes: int) -> None:
+        super().__init__(client_ids, _client)
+        self.crashed, self.crashes_left = crashed, crashes
+        self.replies: dict[str, Message] = {}
+        self.sent_to_crashed = 0
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            if msg.metadata.dst_node_id == self.node_of[self.crashed]:
+                self.sent_to_crashed += 1
+                if self.crashes_left:
+                    self.crashes_left -= 1
+                    self.replies[msg.metadata.message_id] = Message(
+                        Error(code=CLIENT_APP_CRASHED, reason="ClientApp stopped responding."), reply_to=msg)
+                    ids.append(msg.metadata.message_id)
+                    continue
+            self.replies[msg.metadata.message_id] = self.answer(msg)
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_message_whose_clientapp_crashed_is_sent_again_once_to_the_same_node() -> None:
+    twin_strategy, twin = _round(FakeGrid(list(SIZES), _client))
+    grid = CrashingGrid(list(SIZES), crashed="1", crashes=1)
+    strategy, result = _round(grid)
+    assert result.log.failed == {} and grid.sent_to_crashed == 2, result.log.failed
+    for key in REF:
+        np.testing.assert_array_equal(strategy.global_arrays[key], twin_strategy.global_arrays[key])
+    assert result.metrics == twin.metrics
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_clientapp_that_crashes_again_fails_its_client_after_one_resend() -> None:
+    grid = CrashingGrid(list(SIZES), crashed="1", crashes=5)
+    strategy, result = _round(grid)
+    assert list(result.log.failed) == ["1"] and "stopped responding" in result.log.failed["1"], result.log.failed
+    assert grid.sent_to_crashed == 2
+    np.testing.assert_allclose(strategy.global_arrays["w"], np.full((4, 3), (10 * 1 + 60 * 3) / 70, np.float32))
 
 
 @pytest.mark.usefixtures("flower_task")

@@ -67,6 +67,84 @@ def test_stand_in_runs_flowers_clientapp_when_no_runner_listens(runner_dir: Path
     assert out.returncode == 3 and out.stdout.strip() == "REAL --token xyz"
 
 
+def test_stand_in_leaves_its_token_when_the_runner_dies_during_its_task(runner_dir: Path) -> None:
+    """The runner takes the task and ends without an answer (killed): the stand-in exits 1 and
+    leaves the task's token for the SuperNode's keeper, which fails the task at once."""
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    address = runner_dir / "runner-test.sock"
+    token = "c0ffee" * 43   # Flower's are 256 characters: longer than a file name may be
+    with Listener(str(address), family="AF_UNIX", authkey=node_runner.auth_key(runner_dir)) as listener:
+        def serve_and_die() -> None:
+            with listener.accept() as conn:
+                conn.recv_bytes()   # the task taken, then the runner is gone
+        thread = threading.Thread(target=serve_and_die)
+        thread.start()
+        out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(address),
+                                       node_runner.REAL_CLIENTAPP_ENV: "/nonexistent"},
+                            ["--runtime-api-address", "127.0.0.1:1", "--token", token, "--insecure"])
+        thread.join(timeout=30)
+    assert out.returncode == 1, out.stderr
+    assert [p.read_text() for p in node_runner.ended_dir(address).iterdir()] == [token]
+
+
+class _Exited:
+    """A runner process that has exited."""
+
+    pid, returncode = 4242, -9
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_the_keeper_restarts_a_dead_runner_and_fails_the_tasks_it_died_with(
+        runner_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    address = runner_dir / "runner-1.sock"
+    started: list[int] = []
+    monkeypatch.setattr(node_runner, "start_runner", lambda owner: (started.append(owner) or _Exited(), address))
+    failed: list[str] = []
+    monkeypatch.setattr(node_runner, "fail_task_now", lambda token: failed.append(token) or token == "ab12")
+    keeper = node_runner.RunnerKeeper(owner=1)
+    ended = node_runner.ended_dir(address)
+    ended.mkdir()
+    (ended / "101").write_text("ab12")      # a task still running when the runner died
+    (ended / "102").write_text("cd34")      # one that had finished meanwhile (no longer known)
+    (ended / "103.tmp").write_text("ef")    # one being written: read at the next look
+    keeper.check()
+    assert started == [1, 1]      # started, and started again after it exited
+    assert sorted(failed) == ["ab12", "cd34"] and [p.name for p in ended.iterdir()] == ["103.tmp"]
+    keeper.check()                # no token left: none failed twice (this runner exits every time: a third start)
+    assert sorted(failed) == ["ab12", "cd34"]
+    keeper.proc = SimpleNamespace(pid=4243, returncode=-15, poll=lambda: -15)
+    keeper.check()                # stopped with its node (SIGTERM to the group): not started again
+    assert started == [1, 1, 1] and not keeper.restarts
+
+
+def test_a_task_of_a_dead_clientapp_is_failed_at_once_and_its_message_answered_crashed() -> None:
+    """``fail_task_now`` on Flower's own NodeState: a started task's message is answered
+    ``CLIENT_APP_CRASHED`` (what Flower answers after 10 minutes without heartbeats), a task
+    still starting goes back to pending (started again), an unknown token is no task."""
+    from flwr.common.constant import Status
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
+
+    from common import flower_compat
+
+    assert flower_compat.keep_node_state()
+    state = NodeStateFactory(ObjectStoreFactory()).state()
+    try:
+        replies = flower_compat._crash_one_task(state, TaskType.CLIENT_APP, run_id=3)
+        assert [(r.error.code, r.error.reason) for r in replies] == [
+            (flower_compat.CLIENT_APP_CRASHED, "ClientApp stopped responding.")]
+        starting = state.create_task(TaskType.CLIENT_APP, 3)
+        token = state.claim_task(starting)
+        assert flower_compat.fail_task_now(token)
+        assert state.get_tasks(task_ids=[starting])[0].status.status == Status.PENDING
+        assert not flower_compat.fail_task_now(token) and not flower_compat.fail_task_now("unknown")
+    finally:
+        flower_compat._NODE_STATES.remove(state)
+
+
 def test_runner_folder_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(node_runner.DIR_ENV, str(tmp_path))
     folder = node_runner.runner_dir()

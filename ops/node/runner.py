@@ -20,7 +20,9 @@ app) runs in a fresh process of its own code (:func:`run_in_fab_process`), as wi
 runner. When the runner is not there (it crashed, or the socket is gone) the stand-in runs
 Flower's real ``flwr-clientapp``. Private client state is on disk and in the Context Flower
 keeps, never only in the runner, so a runner that dies loses nothing but the message it was
-handling.
+handling: its SuperNode starts another (:class:`RunnerKeeper`) and fails the task it died
+with at once, so that the server sends that message again (``common/flower_compat.py``,
+items 1 and 16), instead of the 10 minutes Flower would wait for the task's heartbeats.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import io
 import json
 import os
 import secrets
+import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -50,6 +54,7 @@ from flwr.common.logger import log
 from common.flower_compat import (
     context_from_bytes,
     context_to_bytes,
+    fail_task_now,
     install_fab,
     load_fab_clientapp,
     message_from_bytes,
@@ -90,7 +95,17 @@ with conn:
     try:
         code = int(conn.recv_bytes())
     except (EOFError, OSError, ValueError):
-        code = 1   # the runner ended during the task: its log is the SuperNode's
+        code = 1   # the runner ended during the task: its SuperNode fails the task now (by its token)
+        token = args[args.index("--token") + 1] if "--token" in args[:-1] else ""
+        if token:   # (a token is longer than a file name may be: it goes in the file)
+            ended = os.path.join(address + ".ended", str(os.getpid()))
+            try:
+                os.makedirs(address + ".ended", mode=0o700, exist_ok=True)
+                with open(ended + ".tmp", "w") as f:
+                    f.write(token)
+                os.replace(ended + ".tmp", ended)
+            except OSError:
+                pass
 sys.exit(code)
 '''
 
@@ -320,6 +335,12 @@ class Runner:
         os._exit(0)
 
 
+def ended_dir(address: Path) -> Path:
+    """Where the stand-ins of a runner that died during their task leave the task's token
+    (one file per stand-in, named by its pid) for the runner's SuperNode (:class:`RunnerKeeper`)."""
+    return address.with_name(address.name + ".ended")
+
+
 def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
     """Start the runner for SuperNode ``owner`` (this process group); returns it and its socket."""
     address = socket_path(owner)
@@ -327,9 +348,50 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
         pid = stale.stem.removeprefix("runner-")
         if stale == address or (pid.isdigit() and not pid_alive(int(pid))):
             stale.unlink(missing_ok=True)
+            if stale != address:
+                shutil.rmtree(ended_dir(stale), ignore_errors=True)
     proc = subprocess.Popen([sys.executable, "-m", "ops.node.runner", "--address", str(address),
                              "--owner-pid", str(owner)], stdin=subprocess.DEVNULL)
     return proc, address
+
+
+class RunnerKeeper(threading.Thread):
+    """In the SuperNode's process: starts its runner, starts another when it dies (a task that
+    finds no runner meanwhile runs in Flower's own ``flwr-clientapp``), and fails at once each
+    task the runner died with (its token left in :func:`ended_dir` by the task's stand-in;
+    ``flower_compat.fail_task_now``). Without it the SuperNode waits for that task's reply until
+    its heartbeats have been missing 10 minutes, and pulls no other message meanwhile."""
+
+    POLL_S = 0.5
+
+    def __init__(self, owner: int) -> None:
+        super().__init__(daemon=True, name="pflower-runner-keeper")
+        self.owner, self.restarts = owner, True
+        self.proc, self.address = start_runner(owner)
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            self.check()
+
+    def check(self) -> None:
+        """One look: the runner restarted if it has exited; the tasks it died with failed."""
+        code = self.proc.poll()
+        if code is not None and self.restarts:
+            if code in (-signal.SIGTERM, -signal.SIGINT):   # the node is being stopped: so is its runner
+                log(INFO, "pflower runner %d was stopped (code %s); not started again", self.proc.pid, code)
+                self.restarts = False
+            else:
+                log(WARNING, "pflower runner %d exited (code %s); starting another", self.proc.pid, code)
+                self.proc, self.address = start_runner(self.owner)
+        ended = ended_dir(self.address)
+        for left in ended.iterdir() if ended.is_dir() else []:
+            if left.suffix == ".tmp":   # being written
+                continue
+            if fail_task_now(left.read_text().strip()):
+                log(WARNING, "pflower runner: a ClientApp task ended with the runner; it is failed now "
+                    "(CLIENT_APP_CRASHED), and the server sends its message again")
+            left.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:

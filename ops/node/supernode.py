@@ -10,7 +10,9 @@ patches to Flower's internals are in ``common/flower_compat.py``:
   default; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set in the environment wins). Each wait is
   one small request to the SuperLink: for thousands of nodes raise it (3 is Flower's pace).
 - Its ClientApps run in one long-lived runner per node (``ops/node/runner.py``) instead of
-  one fresh process per message (``--no-runner``: Flower's processes).
+  one fresh process per message (``--no-runner``: Flower's processes). A runner that dies is
+  started again, and the task it died with is failed at once (the server sends its message
+  again), not after 10 minutes without heartbeats.
 - Its object pulls back off from 0.05 s, not 1 s (``common/flower_compat.py``).
 - A ClientApp task may miss heartbeats for 10 minutes, not 60 s, before it is failed
   (``common/flower_compat.py``).
@@ -59,15 +61,17 @@ def start_runner() -> None:
     from ops.node.runner import (
         REAL_CLIENTAPP_ENV,
         RUNNER_ENV,
+        RunnerKeeper,
         runner_dir,
-        start_runner,
         write_stand_in,
     )
 
     real = shutil.which("flwr-clientapp") or str(Path(sys.executable).parent / "flwr-clientapp")
     if not Path(real).is_file():
         raise SystemExit("pflower-supernode: flwr-clientapp not found; install flwr (pip install -e .)")
-    _, address = start_runner(os.getpid())
+    keeper = RunnerKeeper(os.getpid())   # restarts a runner that died; fails the task it died with
+    keeper.start()
+    address = keeper.address
     stand_in = write_stand_in(runner_dir() / "bin")
     os.environ[RUNNER_ENV], os.environ[REAL_CLIENTAPP_ENV] = str(address), real
     os.environ["PATH"] = f"{stand_in.parent}{os.pathsep}{os.environ.get('PATH', '')}"
