@@ -986,40 +986,48 @@ def _items_13_15() -> bool:
 
 
 def _item_16() -> bool:
-    """A NodeState kept, a started ClientApp task failed by its token: its message answered
-    ``CLIENT_APP_CRASHED``."""
+    """A started ClientApp task failed by its token has its message answered
+    ``CLIENT_APP_CRASHED``; a task still starting goes back to pending (:func:`crash_drill`)."""
+    drill = crash_drill()
+    return (drill["started"] == [(CLIENT_APP_CRASHED, "ClientApp stopped responding.")]
+            and drill["starting"] == "pending" and not drill["finished"])
+
+
+def crash_drill(run_id: int = 1) -> dict[str, Any]:
+    """:func:`fail_task_now` on a NodeState of this Flower made as its SuperNode makes one
+    (kept by :func:`keep_node_state`): ``started``, the (code, reason) of the replies to the
+    message of a task whose ClientApp had taken it; ``starting``, the status of a task failed
+    while starting; ``finished``, what failing a finished task's token again returns."""
+    from flwr.app import Message, RecordDict
     from flwr.supercore.constant import TaskType
     from flwr.supercore.object_store import ObjectStoreFactory
     from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
 
-    if not keep_node_state():
-        return False
+    keep_node_state()
     state = NodeStateFactory(ObjectStoreFactory()).state()
     try:
-        return any(r.error.code == CLIENT_APP_CRASHED for r in _crash_one_task(state, TaskType.CLIENT_APP))
+        state.set_node_id(7)
+        set_task_identity(run_id, 0, 0)
+        sent = Message(RecordDict(), dst_node_id=7, message_type="train", group_id="1")
+        sent.metadata.__dict__["_message_id"] = sent.object_id
+        state.store_message(sent)
+        task_id = state.create_task(TaskType.CLIENT_APP, run_id)
+        token = state.claim_task(task_id)
+        state.activate_task(task_id)
+        messages = getattr(state, "get_messages_legacy", None) or state.get_messages   # 1.42, 1.39
+        taken = [m.metadata.message_id for m in messages(run_ids=[run_id], is_reply=False)]
+        state.record_message_processing_start(sent.metadata.message_id)   # as the Runtime API's pull does
+        started = []
+        if taken == [sent.metadata.message_id] and token is not None and fail_task_now(token):
+            started = [(int(m.error.code), m.error.reason) for m in messages(is_reply=True)
+                       if m.metadata.reply_to_message_id == sent.metadata.message_id]
+        starting_id = state.create_task(TaskType.CLIENT_APP, run_id)
+        starting_token = state.claim_task(starting_id)
+        starting = (str(state.get_tasks(task_ids=[starting_id])[0].status.status)
+                    if starting_token is not None and fail_task_now(starting_token) else "")
+        return {"started": started, "starting": starting, "finished": fail_task_now(token or "")}
     finally:
         _NODE_STATES.remove(state)
-
-
-def _crash_one_task(state: Any, task_type: str, run_id: int = 1) -> list[Any]:
-    """Start a task of ``run_id`` whose message the ClientApp took, fail it by its token
-    (:func:`fail_task_now`), and return the replies the node then has to send."""
-    from flwr.app import Message, RecordDict
-
-    state.set_node_id(7)
-    set_task_identity(run_id, 0, 0)
-    sent = Message(RecordDict(), dst_node_id=7, message_type="train", group_id="1")
-    sent.metadata.__dict__["_message_id"] = sent.object_id
-    state.store_message(sent)
-    task_id = state.create_task(task_type, run_id)
-    token = state.claim_task(task_id)
-    state.activate_task(task_id)
-    messages = getattr(state, "get_messages_legacy", None) or state.get_messages
-    taken = [m.metadata.message_id for m in messages(run_ids=[run_id], is_reply=False)]
-    state.record_message_processing_start(sent.metadata.message_id)   # as the Runtime API's pull does
-    if taken != [sent.metadata.message_id] or token is None or not fail_task_now(token):
-        return []
-    return [m for m in messages(is_reply=True) if m.metadata.reply_to_message_id == sent.metadata.message_id]
 
 
 def item_report() -> list[tuple[str, bool, str]]:

@@ -121,6 +121,14 @@ class ClientDirectory:
             if NUM_PARTITIONS in metrics:
                 self.federation_size = int(metrics[NUM_PARTITIONS])
 
+    def nodes_by_client(self, grid: Grid, timeout: float | None = None) -> tuple[list[int], dict[str, int]]:
+        """The connected nodes, and the node of each identified client among them, new nodes
+        identified first (within ``timeout``, :meth:`identify`)."""
+        nodes = list(grid.get_node_ids())
+        self.identify(grid, nodes, timeout=timeout)
+        own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
+        return nodes, own
+
     def connected(self, grid: Grid) -> list[str]:
         """The clients to address this round, ordered by client id (nodes that could not be
         identified last, as ``node-<id>``); ``node_of`` says which node serves each.
@@ -137,9 +145,7 @@ class ClientDirectory:
         deadline = time.monotonic() + wait
         shared = not is_deployment_grid(grid)
         while True:
-            nodes = list(grid.get_node_ids())
-            self.identify(grid, nodes)
-            own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
+            nodes, own = self.nodes_by_client(grid)
             placed = place_clients(self.client_ids, own, self.federation_size if shared else None)
             missing = expected - set(placed)
             newly_missing = missing if first else missing - (self._missing or set())
@@ -252,9 +258,8 @@ class Exchange:
         Keyed by the lost message's id; the others are not back yet. The new message lives
         ``time_left`` (what is left of the round: a message the round gave up on is never
         delivered late), and identifying new nodes waits no longer."""
-        nodes = set(grid.get_node_ids())
-        self.directory.identify(grid, nodes, timeout=time_left)
-        own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
+        nodes, own = self.directory.nodes_by_client(grid, timeout=time_left)
+        own.update({f"node-{n}": n for n in nodes if n not in self.node_to_client})   # unidentified, by node
         again: dict[str, Message] = {}
         for msg in lost:
             client = self.client_of(msg)

@@ -228,3 +228,20 @@ def test_a_grid_that_returns_no_ids_fails_the_clients_without_crashing_the_round
     train = strategy.begin_train(1, {}, grid)
     assert send_and_receive(grid, train.messages, timeout=1.0, on_reply=train.replies.take,
                             rejoin=train.exchange) == []
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_crashed_message_of_an_unidentified_node_is_sent_again_to_that_node() -> None:
+    grid = CrashingGrid(list(SIZES), crashed="1", crashes=1)
+    strategy = make_strategy(FedAvg, dict(REF), list(SIZES), wait_for_clients=30.0)
+    node = grid.node_of["1"]
+    train = strategy.begin_train(1, {}, grid)
+    strategy.directory.node_to_client.pop(node)        # its identification is lost
+    lost = next(m for m, c in train.exchange.addressed if c == "1")
+    grid.push_messages([lost])                          # (its id; the grid answers CLIENT_APP_CRASHED)
+    train.exchange.addressed = [(m, f"node-{node}" if m is lost else c) for m, c in train.exchange.addressed]
+    strategy.directory.identify = lambda grid, nodes, timeout=None: None   # and it answers no query
+    again = train.exchange.resend(grid, [lost], 10.0)
+    assert lost.metadata.message_id and list(again) == [lost.metadata.message_id]
+    assert again[lost.metadata.message_id].metadata.dst_node_id == node
+    assert train.exchange.client_of(again[lost.metadata.message_id]) == f"node-{node}"
