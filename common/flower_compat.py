@@ -425,14 +425,16 @@ def keep_node_state() -> bool:
     """Keep the NodeState this process's SuperNode creates, for :func:`fail_task_now`. False
     (and a warning) when this Flower's node state has no such factory."""
     from flwr.common.logger import log
-    from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
 
-    original = NodeStateFactory.state
+    try:
+        from flwr.supernode.nodestate.nodestate_factory import NodeStateFactory
+        original = NodeStateFactory.state
+    except (ImportError, AttributeError) as err:
+        log(WARNING, "pflower: this Flower's NodeStateFactory changed (%s); a ClientApp that dies is "
+            "failed only when its heartbeats stop", err)
+        return False
     if getattr(original, "_pflower_kept", False):
         return True
-    if not callable(original):
-        log(WARNING, "pflower: this Flower's NodeStateFactory changed; a dead ClientApp fails after its heartbeats")
-        return False
 
     @functools.wraps(original)
     def state(self: Any) -> Any:
@@ -451,9 +453,15 @@ def fail_task_now(token: str) -> bool:
     had stopped 10 minutes ago: Flower then answers the message of a task that had started with
     ``CLIENT_APP_CRASHED`` (the server sends it again, :func:`may_send_again`) and puts a task
     still starting back to pending (its SuperExec starts it again). False when no kept NodeState
-    holds the token (the task finished, or it is another SuperNode's)."""
+    holds the token (the task finished, or it is another SuperNode's).
+
+    Flower's expiry answers every message of the run that a ClientApp took and nobody answered.
+    The SuperNode hands out one message at a time, so while another task of the run is running
+    the dead task's message was answered already (the runner died between its reply and its
+    outcome): that task is then only finished, failed, and the running one left alone."""
     from datetime import timedelta
 
+    from flwr.common.constant import Status, SubStatus
     from flwr.supercore.date import now
 
     for state in _NODE_STATES:
@@ -462,8 +470,14 @@ def fail_task_now(token: str) -> bool:
             record = state.task_token_store.get(task_id) if task_id is not None else None
             if record is None:
                 continue
-            record.active_until = now() - timedelta(seconds=1)
-            state._cleanup_expired_task_tokens_locked()
+            run_id = state.task_store[task_id].run_id
+            other_running = any(t.run_id == run_id and t.task_id != task_id and t.status.status == Status.RUNNING
+                                for t in state.task_store.values())
+            if not other_running:
+                record.active_until = now() - timedelta(seconds=1)
+                state._cleanup_expired_task_tokens_locked()
+                return True
+        state.finish_task(task_id, sub_status=SubStatus.FAILED, details="its ClientApp runner died after replying")
         return True
     return False
 
@@ -990,14 +1004,17 @@ def _item_16() -> bool:
     ``CLIENT_APP_CRASHED``; a task still starting goes back to pending (:func:`crash_drill`)."""
     drill = crash_drill()
     return (drill["started"] == [(CLIENT_APP_CRASHED, "ClientApp stopped responding.")]
-            and drill["starting"] == "pending" and not drill["finished"])
+            and drill["starting"] == "pending" and not drill["finished"]
+            and drill["answered"] == (True, "finished", "running", 0))
 
 
 def crash_drill(run_id: int = 1) -> dict[str, Any]:
     """:func:`fail_task_now` on a NodeState of this Flower made as its SuperNode makes one
     (kept by :func:`keep_node_state`): ``started``, the (code, reason) of the replies to the
     message of a task whose ClientApp had taken it; ``starting``, the status of a task failed
-    while starting; ``finished``, what failing a finished task's token again returns."""
+    while starting; ``finished``, what failing a finished task's token again returns;
+    ``answered``, for a task whose runner died after its reply while the run's next task runs:
+    (failed, its status, the running task's status, replies to the running task's message)."""
     from flwr.app import Message, RecordDict
     from flwr.supercore.constant import TaskType
     from flwr.supercore.object_store import ObjectStoreFactory
@@ -1025,7 +1042,23 @@ def crash_drill(run_id: int = 1) -> dict[str, Any]:
         starting_token = state.claim_task(starting_id)
         starting = (str(state.get_tasks(task_ids=[starting_id])[0].status.status)
                     if starting_token is not None and fail_task_now(starting_token) else "")
-        return {"started": started, "starting": starting, "finished": fail_task_now(token or "")}
+        # a task whose runner died after its reply, while the next task of the run is running:
+        # finished, and the running task's message not answered for it
+        answered_id, running_id = (state.create_task(TaskType.CLIENT_APP, run_id) for _ in range(2))
+        answered_token = state.claim_task(answered_id)
+        state.activate_task(answered_id)
+        state.claim_task(running_id)
+        state.activate_task(running_id)
+        nxt = Message(RecordDict(), dst_node_id=7, message_type="train", group_id="2")
+        nxt.metadata.__dict__["_message_id"] = nxt.object_id
+        state.store_message(nxt)
+        messages(run_ids=[run_id], is_reply=False)   # taken by the running task
+        state.record_message_processing_start(nxt.metadata.message_id)
+        failed_answered = answered_token is not None and fail_task_now(answered_token)
+        running_answered = [m for m in messages(is_reply=True) if m.metadata.reply_to_message_id == nxt.metadata.message_id]
+        statuses = {t.task_id: str(t.status.status) for t in state.get_tasks(task_ids=[answered_id, running_id])}
+        return {"started": started, "starting": starting, "finished": fail_task_now(token or ""),
+                "answered": (failed_answered, statuses[answered_id], statuses[running_id], len(running_answered))}
     finally:
         _NODE_STATES.remove(state)
 

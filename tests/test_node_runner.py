@@ -33,9 +33,9 @@ def runner_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return node_runner.runner_dir()
 
 
-def _run_stand_in(stand_in: Path, env: dict[str, str], args: list[str]) -> subprocess.CompletedProcess:
+def _run_stand_in(stand_in: Path, env: dict[str, str], args: list[str], stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([str(stand_in), *args], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=60, check=False, input=stdin)
 
 
 def test_stand_in_hands_the_task_to_the_runner_and_returns_its_exit_code(runner_dir: Path) -> None:
@@ -55,6 +55,7 @@ def test_stand_in_hands_the_task_to_the_runner_and_returns_its_exit_code(runner_
         thread.join(timeout=30)
     assert out.returncode == 7, out.stderr
     assert got == [["--runtime-api-address", "127.0.0.1:1", "--token", "abc", "--insecure"]]
+    assert not node_runner.ended_dir(address).exists()   # the runner answered: no task to fail
 
 
 def test_stand_in_runs_flowers_clientapp_when_no_runner_listens(runner_dir: Path, tmp_path: Path) -> None:
@@ -81,7 +82,7 @@ def test_stand_in_leaves_its_token_when_the_runner_dies_during_its_task(runner_d
         thread.start()
         out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(address),
                                        node_runner.REAL_CLIENTAPP_ENV: "/nonexistent"},
-                            ["--runtime-api-address", "127.0.0.1:1", "--token", token, "--insecure"])
+                            ["--runtime-api-address", "127.0.0.1:1", "--token-stdin", "--insecure"], stdin=token)
         thread.join(timeout=30)
     assert out.returncode == 1, out.stderr
     assert [p.read_text() for p in node_runner.ended_dir(address).iterdir()] == [token]
@@ -108,15 +109,40 @@ def test_the_keeper_restarts_a_dead_runner_and_fails_the_tasks_it_died_with(
     ended.mkdir()
     (ended / "101").write_text("ab12")      # a task still running when the runner died
     (ended / "102").write_text("cd34")      # one that had finished meanwhile (no longer known)
-    (ended / "103.tmp").write_text("ef")    # one being written: read at the next look
-    keeper.check()
-    assert started == [1, 1]      # started, and started again after it exited
+    (ended / "103.tmp").write_text("ef")    # one being written: read at a later look
+    keeper.check(now=keeper.started_at + 30)   # it ran 30 s: started again at once
+    assert started == [1, 1]
     assert sorted(failed) == ["ab12", "cd34"] and [p.name for p in ended.iterdir()] == ["103.tmp"]
-    keeper.check()                # no token left: none failed twice (this runner exits every time: a third start)
-    assert sorted(failed) == ["ab12", "cd34"]
+    (ended / "103.tmp").rename(ended / "103")
+    t0 = keeper.started_at
+    keeper.check(now=t0 + 1)                # the new one died within 10 s: started again after 1 s
+    assert started == [1, 1] and sorted(failed) == ["ab12", "cd34", "ef"] and not list(ended.iterdir())
+    keeper.check(now=t0 + 2.1)
+    assert started == [1, 1, 1]
+    t1 = keeper.started_at
+    keeper.check(now=t1 + 1)                # another quick death: 2 s
+    keeper.check(now=t1 + 2.5)
+    assert started == [1, 1, 1] and keeper.restart_at == pytest.approx(t1 + 3)
+    keeper.check(now=t1 + 3.1)
+    assert started == [1, 1, 1, 1]
     keeper.proc = SimpleNamespace(pid=4243, returncode=-15, poll=lambda: -15)
-    keeper.check()                # stopped with its node (SIGTERM to the group): not started again
-    assert started == [1, 1, 1] and not keeper.restarts
+    keeper.check(now=keeper.started_at + 60)   # stopped by SIGTERM: its node may be stopping
+    assert started == [1, 1, 1, 1] and keeper.restart_at == pytest.approx(keeper.started_at + 63)
+
+
+def test_the_keeper_goes_on_after_an_error(runner_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    address = runner_dir / "runner-2.sock"
+    monkeypatch.setattr(node_runner, "start_runner", lambda owner: (SimpleNamespace(poll=lambda: None), address))
+
+    def broken(token: str) -> bool:
+        raise RuntimeError("no state")
+
+    monkeypatch.setattr(node_runner, "fail_task_now", broken)
+    keeper = node_runner.RunnerKeeper(owner=2)
+    node_runner.ended_dir(address).mkdir()
+    (node_runner.ended_dir(address) / "7").write_text("tok")
+    keeper.look()                            # logged, not raised; the file is not read again
+    assert not list(node_runner.ended_dir(address).iterdir())
 
 
 def test_a_task_of_a_dead_clientapp_is_failed_at_once_and_its_message_answered_crashed() -> None:
@@ -128,7 +154,10 @@ def test_a_task_of_a_dead_clientapp_is_failed_at_once_and_its_message_answered_c
 
     drill = flower_compat.crash_drill(run_id=3)
     assert drill == {"started": [(flower_compat.CLIENT_APP_CRASHED, "ClientApp stopped responding.")],
-                     "starting": "pending", "finished": False}
+                     "starting": "pending", "finished": False,
+                     # a runner that died between its reply and its outcome: its task is finished,
+                     # and the message the run's next (running) task took is not answered for it
+                     "answered": (True, "finished", "running", 0)}
     assert not flower_compat.fail_task_now("unknown") and not flower_compat._NODE_STATES
 
 

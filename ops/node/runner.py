@@ -348,8 +348,10 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
         pid = stale.stem.removeprefix("runner-")
         if stale == address or (pid.isdigit() and not pid_alive(int(pid))):
             stale.unlink(missing_ok=True)
-            if stale != address:
-                shutil.rmtree(ended_dir(stale), ignore_errors=True)
+    for stale in address.parent.glob("runner-*.sock.ended"):   # tokens of nodes gone
+        pid = stale.name.removeprefix("runner-").removesuffix(".sock.ended")
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     proc = subprocess.Popen([sys.executable, "-m", "ops.node.runner", "--address", str(address),
                              "--owner-pid", str(owner)], stdin=subprocess.DEVNULL)
     return proc, address
@@ -360,38 +362,72 @@ class RunnerKeeper(threading.Thread):
     finds no runner meanwhile runs in Flower's own ``flwr-clientapp``), and fails at once each
     task the runner died with (its token left in :func:`ended_dir` by the task's stand-in;
     ``flower_compat.fail_task_now``). Without it the SuperNode waits for that task's reply until
-    its heartbeats have been missing 10 minutes, and pulls no other message meanwhile."""
+    its heartbeats have been missing 10 minutes, and pulls no other message meanwhile.
+
+    A runner that keeps dying soon after its start (it cannot import its code, say) is started
+    again after 1, 2, 4, ... up to 60 s, not every look; one stopped by SIGTERM or SIGINT after
+    3 s, by which time a SuperNode that is being stopped with it has exited (and this thread,
+    a daemon, with it)."""
 
     POLL_S = 0.5
+    SHORT_LIFE_S = 10.0   # a runner that dies sooner after its start counts as a quick death
+    MAX_DELAY_S = 60.0
+    STOP_GRACE_S = 3.0
 
     def __init__(self, owner: int) -> None:
         super().__init__(daemon=True, name="pflower-runner-keeper")
-        self.owner, self.restarts = owner, True
-        self.proc, self.address = start_runner(owner)
+        self.owner, self.quick_deaths = owner, 0
+        self.restart_at: float | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self.proc, self.address = start_runner(self.owner)
+        self.started_at = time.monotonic()
 
     def run(self) -> None:
         while True:
             time.sleep(self.POLL_S)
-            self.check()
+            self.look()
 
-    def check(self) -> None:
-        """One look: the runner restarted if it has exited; the tasks it died with failed."""
+    def look(self) -> None:
+        """:meth:`check`, and an error logged, not ending the keeper."""
+        try:
+            self.check()
+        except Exception as err:   # the next look tries again
+            log(ERROR, "pflower runner keeper: %r", err)
+
+    def check(self, now: float | None = None) -> None:
+        """One look: the runner started again when its time has come; the tasks it died with failed."""
+        now = time.monotonic() if now is None else now
         code = self.proc.poll()
-        if code is not None and self.restarts:
-            if code in (-signal.SIGTERM, -signal.SIGINT):   # the node is being stopped: so is its runner
-                log(INFO, "pflower runner %d was stopped (code %s); not started again", self.proc.pid, code)
-                self.restarts = False
-            else:
-                log(WARNING, "pflower runner %d exited (code %s); starting another", self.proc.pid, code)
-                self.proc, self.address = start_runner(self.owner)
+        if code is not None:
+            if self.restart_at is None:
+                delay = self._delay(code, now)
+                self.restart_at = now + delay
+                log(WARNING, "pflower runner %d exited (code %s); starting another in %.1f s", self.proc.pid,
+                    code, delay)
+            if now >= self.restart_at:
+                self.restart_at = None
+                self._start()
+        self._fail_ended_tasks()
+
+    def _delay(self, code: int, now: float) -> float:
+        if code in (-signal.SIGTERM, -signal.SIGINT):   # its node may be being stopped as well
+            return self.STOP_GRACE_S
+        self.quick_deaths = self.quick_deaths + 1 if now - self.started_at < self.SHORT_LIFE_S else 0
+        return min(self.MAX_DELAY_S, 2.0 ** (self.quick_deaths - 1)) if self.quick_deaths else 0.0
+
+    def _fail_ended_tasks(self) -> None:
         ended = ended_dir(self.address)
         for left in ended.iterdir() if ended.is_dir() else []:
             if left.suffix == ".tmp":   # being written
                 continue
-            if fail_task_now(left.read_text().strip()):
-                log(WARNING, "pflower runner: a ClientApp task ended with the runner; it is failed now "
-                    "(CLIENT_APP_CRASHED), and the server sends its message again")
-            left.unlink(missing_ok=True)
+            try:
+                if fail_task_now(left.read_text().strip()):
+                    log(WARNING, "pflower runner: a ClientApp task ended with the runner; it is failed now "
+                        "(CLIENT_APP_CRASHED), and the server sends its message again")
+            finally:
+                left.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
