@@ -29,18 +29,17 @@ import torch
 from client.handlers import trainer_class
 from client.round import ClientRound
 from client.state import ClientStateStore
-from common.config import run_settings
+from common.config import load_finished_run
 from learning.datasets.federated import load_federated_data
 from learning.training import evaluate
-from ops.personalize import load_run_config
 from server.app import build_strategy
 from server.checkpoint import CHECKPOINT, load_checkpoint
 
 
 def both_protocols(run: Path) -> dict[str, dict[str, float]]:
     """``{client: {"stored": acc, "own": acc}}`` of the run's final personal models (test split)."""
-    cfg = load_run_config(run)
-    settings = run_settings(cfg)
+    finished = load_finished_run(run)
+    cfg, settings = finished.cfg, finished.settings
     last, groups, meta = load_checkpoint(run, {"strategy": settings.strategy})
     groups.pop("_rng", None)
     data = load_federated_data(cfg.dataset, settings.run.seed)

@@ -106,6 +106,19 @@ def compose_run(run_config: Mapping[str, Any] | None = None,
     return _compose_cached(json.dumps(all_overrides), node_root)
 
 
+def load_finished_run(run_dir: Path) -> ComposedRun:
+    """A finished run's composed configuration (its ``config.yaml``, read-only) and its settings,
+    for the commands that go on from a run (new clients, the BN-protocol check); a run made
+    before the ``personalize`` group existed takes the current defaults for it."""
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml; give the folder of a finished run")
+    cfg: DictConfig = OmegaConf.load(run_dir / "config.yaml")  # type: ignore[assignment]
+    if not cfg.get("personalize"):
+        cfg.personalize = compose_config({}).personalize
+    OmegaConf.set_readonly(cfg, True)
+    return ComposedRun(cfg, run_settings(cfg), json.dumps(["finished", str(run_dir)]))
+
+
 def compose_config(run_config: Mapping[str, Any] | None = None,
                    overrides: list[str] | None = None, node_root: str = "") -> DictConfig:
     """The composed configuration alone (:func:`compose_run`), for a command that reads its groups."""

@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Subset
 
 from client.finetune import last_and_best, personalize_curve
 from client.handlers import trainer_class
 from client.round import ClientRound
-from common.config import compose_config, run_settings
+from common.config import load_finished_run
 from common.protocol import client_sort_key
 from learning.datasets.federated import ClientSplit, load_federated_data
 from learning.models import resolve_device
@@ -51,25 +50,13 @@ def subset_train(split: ClientSplit, share: float, seed: int) -> ClientSplit:
     return dataclasses.replace(split, train=Subset(split.train, idx.tolist()), train_ids=split.train_ids[idx])
 
 
-def load_run_config(run: Path) -> DictConfig:
-    """A finished run's ``config.yaml``, read-only; a run
-    made before the ``personalize`` group existed takes the current defaults for it."""
-    if not (run / "config.yaml").exists():
-        raise FileNotFoundError(f"{run} has no config.yaml; give the folder of a finished run")
-    cfg: DictConfig = OmegaConf.load(run / "config.yaml")  # type: ignore[assignment]
-    if not cfg.get("personalize"):
-        cfg.personalize = compose_config({}).personalize
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
-
-
 def personalize_run(run_dir: str | Path, lrs: list[float] | None = None, sizes: Mapping[str, float] | None = None,
                     epochs: int | None = None, clients: list[str] | None = None) -> dict[str, Any]:
     """Run the new-client protocol on one finished run; returns (and writes) the results."""
     run = Path(run_dir)
-    cfg = load_run_config(run)
+    finished = load_finished_run(run)
+    cfg, settings = finished.cfg, finished.settings
     last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
-    settings = run_settings(cfg)
     protocol = settings.personalize
     lrs = [float(x) for x in (lrs or protocol.lrs)]
     sizes = dict(sizes or protocol.sizes)
@@ -131,9 +118,9 @@ def adapt_run(run_dir: str | Path, init: str = "mean", epochs: int | None = None
     run's final server state with its method's ``adapt_new_client`` (other methods refuse).
     Returns ``{client: metrics}`` and writes ``<run>/unseen_adaptation.json``."""
     run = Path(run_dir)
-    cfg = load_run_config(run)
+    finished = load_finished_run(run)
+    cfg, typed = finished.cfg, finished.settings
     last_round, groups, _ = load_checkpoint(run, {"strategy": cfg.strategy.name})
-    typed = run_settings(cfg)
     trainer = trainer_class(typed.method)(cfg, typed)
     data = load_federated_data(cfg.dataset, typed.run.seed)
     if not data.new_clients:

@@ -576,7 +576,14 @@ def test_personalize_names_a_missing_run_or_checkpoint(tmp_path, capsys) -> None
 
     assert main(["personalize", str(tmp_path / "nothing")]) == 2
     assert "has no config.yaml" in capsys.readouterr().err
-    (tmp_path / "config.yaml").write_text("strategy: {name: fedbasis}\n")
+    from omegaconf import OmegaConf
+
+    from common.config import compose_config
+
+    (tmp_path / "config.yaml").write_text("strategy: {name: fedbasis}\n")   # not a run's whole config
+    assert main(["personalize", str(tmp_path)]) == 2
+    assert "invalid configuration" in capsys.readouterr().err
+    OmegaConf.save(compose_config(None, ["strategy=fedbasis"]), tmp_path / "config.yaml")
     assert main(["personalize", str(tmp_path)]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 
