@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from learning.registry import Registry
+
 SHARED, PERSONAL, LOCAL, FROZEN = "shared", "personal", "local", "frozen"
 ROLES = (SHARED, PERSONAL, LOCAL, FROZEN)
 UPLOADED = (SHARED, PERSONAL)        # roles a client sends back
@@ -59,13 +61,12 @@ def _head_frozen(model: nn.Module) -> dict[str, str]:
     return {k: FROZEN if k in head else SHARED for k in model.state_dict()}
 
 
-RULES: dict[str, Callable[[nn.Module], dict[str, str]]] = {
-    "all-shared": _all(SHARED),
-    "all-local": _all(LOCAL),
-    "all-personal": _all(PERSONAL),
-    "bn-local": _bn_local,
-    "head-frozen": _head_frozen,
-}
+RULES: Registry[Callable[[nn.Module], dict[str, str]]] = Registry("parameter-role rule")
+RULES.add("all-shared", _all(SHARED))
+RULES.add("all-local", _all(LOCAL))
+RULES.add("all-personal", _all(PERSONAL))
+RULES.add("bn-local", _bn_local)
+RULES.add("head-frozen", _head_frozen)
 
 
 def roles_by_rule(rule: str, model: nn.Module,

@@ -18,6 +18,7 @@ from torch import nn
 
 from learning.backbones import AdaptiveAvgPool2d, ModelError, resnet18
 from learning.fdse_model import FDSEAlexNetConfig, FDSEResNet18Config, build_fdse_model
+from learning.registry import Registry
 from learning.typed import check, finite, read_typed
 
 
@@ -227,23 +228,21 @@ class ModelSpec:
     build: Callable[[Any, tuple[int, int, int], int], nn.Module]
 
 
-MODELS: dict[str, ModelSpec] = {
-    "cnn": ModelSpec(CNNConfig, lambda m, s, k: SmallCNN(s[0], k, s[1], m.width, m.hidden)),
-    "cnn4": ModelSpec(CNN4Config, lambda m, s, k: CNN4(s[0], k, s[1], m.width, m.bn_running_stats)),
-    "mobilenet": ModelSpec(MobileNetConfig,
-                           lambda m, s, k: MobileNetCIFAR(s[0], k, s[1], m.width_mult, m.bn_running_stats)),
-    "alexnet-bn": ModelSpec(AlexNetBNConfig, lambda m, s, k: AlexNetBN(s[0], k, s[1], m.width, m.hidden)),
-    "resnet18": ModelSpec(ResNet18Config, lambda m, s, k: resnet18(s[0], k, m.pretrained_path, m.small_input)),
-    "mlp": ModelSpec(MLPConfig, lambda m, s, k: MLP(s[0] * s[1] * s[2], k, list(m.hidden))),
-    "fdse-alexnet": ModelSpec(FDSEAlexNetConfig, build_fdse_model),
-    "fdse-resnet18": ModelSpec(FDSEResNet18Config, build_fdse_model),
-}
+MODELS: Registry[ModelSpec] = Registry("model", ModelError)
+MODELS.add("cnn", ModelSpec(CNNConfig, lambda m, s, k: SmallCNN(s[0], k, s[1], m.width, m.hidden)))
+MODELS.add("cnn4", ModelSpec(CNN4Config, lambda m, s, k: CNN4(s[0], k, s[1], m.width, m.bn_running_stats)))
+MODELS.add("mobilenet", ModelSpec(MobileNetConfig,
+                                  lambda m, s, k: MobileNetCIFAR(s[0], k, s[1], m.width_mult, m.bn_running_stats)))
+MODELS.add("alexnet-bn", ModelSpec(AlexNetBNConfig, lambda m, s, k: AlexNetBN(s[0], k, s[1], m.width, m.hidden)))
+MODELS.add("resnet18", ModelSpec(ResNet18Config,
+                                 lambda m, s, k: resnet18(s[0], k, m.pretrained_path, m.small_input)))
+MODELS.add("mlp", ModelSpec(MLPConfig, lambda m, s, k: MLP(s[0] * s[1] * s[2], k, list(m.hidden))))
+MODELS.add("fdse-alexnet", ModelSpec(FDSEAlexNetConfig, build_fdse_model))
+MODELS.add("fdse-resnet18", ModelSpec(FDSEResNet18Config, build_fdse_model))
 
 
 def model_spec(name: str) -> ModelSpec:
     """The registry entry of ``name``; an unknown name lists the valid ones."""
-    if name not in MODELS:
-        raise ModelError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     return MODELS[name]
 
 

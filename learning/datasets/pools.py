@@ -33,6 +33,7 @@ from learning.datasets.sources import (
     normalise,
 )
 from learning.datasets.splits import fedora_sizes, imbalance
+from learning.registry import Registry
 from learning.typed import check, one_of, read_typed
 
 
@@ -115,16 +116,16 @@ def fedora_pools(cfg: DatasetConfig, domains: list[str], seed: int) -> Pools:
 
 
 BUNDLED_SOURCES = ("digits", "mnist5k", "digit-sources")   # read no dataset.root
-SOURCES: dict[str, Callable[[DatasetConfig, list[str], int], Pools]] = {
-    "digits": _array_pools(lambda cfg: load_digits(), 10),
-    "mnist5k": _array_pools(lambda cfg: load_mnist5k(), 10),
-    "digit-sources": _digit_sources_pools,
-    "mnist": _array_pools(lambda cfg: load_torchvision("mnist", cfg.root), 10),
-    "fashion-mnist": _array_pools(lambda cfg: load_torchvision("fashion-mnist", cfg.root), 10),
-    "cifar10": _array_pools(lambda cfg: load_torchvision("cifar10", cfg.root), 10),
-    "cifar100": _array_pools(lambda cfg: load_torchvision("cifar100", cfg.root), 100),
-    "imagefolder": _imagefolder_pools,
-}
+SourcePools = Callable[[DatasetConfig, list[str], int], Pools]   # (config, domains, seed) -> pools
+SOURCES: Registry[SourcePools] = Registry("dataset source", DatasetError)
+SOURCES.add("digits", _array_pools(lambda cfg: load_digits(), 10))
+SOURCES.add("mnist5k", _array_pools(lambda cfg: load_mnist5k(), 10))
+SOURCES.add("digit-sources", _digit_sources_pools)
+SOURCES.add("mnist", _array_pools(lambda cfg: load_torchvision("mnist", cfg.root), 10))
+SOURCES.add("fashion-mnist", _array_pools(lambda cfg: load_torchvision("fashion-mnist", cfg.root), 10))
+SOURCES.add("cifar10", _array_pools(lambda cfg: load_torchvision("cifar10", cfg.root), 10))
+SOURCES.add("cifar100", _array_pools(lambda cfg: load_torchvision("cifar100", cfg.root), 100))
+SOURCES.add("imagefolder", _imagefolder_pools)
 
 
 def synthetic_pools(cfg: DatasetConfig, domains: list[str], rng_seed: int) -> Pools:
