@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from common.errors import ConfigError
 from common.methods import ROW_KEY, method, method_options, not_private, resolve_method
@@ -86,8 +87,8 @@ class ComposedRun:
     apps take from composition and hand down (the config's ``dataset``, ``model`` and
     ``strategy`` groups to their typed readers, ``settings`` to everything else).
 
-    ``key`` names the composition (its overrides and node root): a process keeps what it builds
-    for a run configuration (a client's trainer) under it."""
+    ``key`` names the composition (its overrides and node root, or the finished run's folder): a
+    process keeps what it builds for a run configuration (a client's trainer) under it."""
 
     cfg: DictConfig
     settings: Settings
@@ -470,16 +471,16 @@ def _typed_groups(cfg: DictConfig) -> dict[str, tuple[Any, ...]]:
 
 def run_settings(cfg: DictConfig) -> Settings:
     """The typed settings of a composed config (:class:`common.settings.Settings`), read from it
-    now: composition reads them once (:class:`ComposedRun`), and a command that loads a run
-    folder's ``config.yaml`` reads them here. A key missing or out of range raises
+    now: composition reads them once (:class:`ComposedRun`, :func:`load_finished_run` for a run
+    folder's ``config.yaml``). A key or group missing or out of range raises
     :class:`ConfigError` naming it."""
     try:
         typed = {name: read_typed(*args) for name, args in _typed_groups(cfg).items()}
-        resolved = resolve_method(cfg.strategy)
-    except ValueError as err:
+        return Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
+                        personalize=typed["personalize"], privacy=typed["privacy"],
+                        method=resolve_method(cfg.strategy), dataset=str(cfg.dataset.name),
+                        model=str(cfg.model.name))
+    except (ValueError, OmegaConfBaseException) as err:   # (a group missing: omegaconf's error)
         raise ConfigError(f"invalid configuration: {err}") from None
-    return Settings(run=typed["run"], train=typed["train"], finetune=typed["finetune"],
-                    personalize=typed["personalize"], privacy=typed["privacy"], method=resolved,
-                    dataset=str(cfg.dataset.name), model=str(cfg.model.name))
 
 

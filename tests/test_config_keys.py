@@ -61,16 +61,17 @@ def test_no_code_casts_the_config_outside_composition() -> None:
     assert CONFIG_CAST.search("seed = int(cfg.seed)") and CONFIG_CAST.search("float(self.cfg.train.lr)")
 
 
-# Where the typed settings are read from a config: composition, and the two apps' edges (the
-# ServerApp's main and the ClientApp's message handlers), which hand them down; the commands of
-# ops/ and bench/ compose or load a run folder's config.yaml themselves, above the apps.
-SETTINGS_READERS = ("common/config.py", "server/app.py", "client/handlers.py")
+# Where the typed settings are read from a config: composition (which also loads a finished run
+# folder's config.yaml for the commands of ops/ and bench/: load_finished_run), and the
+# ServerApp's edge, which hands them down (the ClientApp's handlers take them from composition).
+SETTINGS_READERS = ("common/config.py", "server/app.py")
 RUN_SETTINGS_CALL = re.compile(r"\brun_settings\(")
 
 
 def test_below_the_app_edges_code_takes_settings_and_never_reads_them_from_the_config() -> None:
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-             for pkg in ("learning", "common", "strategies", "client", "server") for path in sorted((REPO / pkg).rglob("*.py"))
+             for pkg in ("learning", "common", "strategies", "client", "server", "ops", "bench")
+             for path in sorted((REPO / pkg).rglob("*.py"))
              if path.relative_to(REPO).as_posix() not in SETTINGS_READERS
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if RUN_SETTINGS_CALL.search(line) and not line.lstrip().startswith(("#", "``"))]

@@ -583,6 +583,12 @@ def test_personalize_names_a_missing_run_or_checkpoint(tmp_path, capsys) -> None
     (tmp_path / "config.yaml").write_text("strategy: {name: fedbasis}\n")   # not a run's whole config
     assert main(["personalize", str(tmp_path)]) == 2
     assert "invalid configuration" in capsys.readouterr().err
+    whole = compose_config(None, ["strategy=fedbasis"])
+    OmegaConf.save({k: v for k, v in OmegaConf.to_container(whole).items() if k != "dataset"}, tmp_path / "config.yaml")
+    for argv in (["personalize", str(tmp_path)], ["personalize", "--adapt", str(tmp_path)]):
+        assert main(argv) == 2   # a group missing: named, not a traceback
+        err = capsys.readouterr().err
+        assert "invalid configuration" in err and "dataset" in err, err
     OmegaConf.save(compose_config(None, ["strategy=fedbasis"]), tmp_path / "config.yaml")
     assert main(["personalize", str(tmp_path)]) == 2
     assert "no checkpoint" in capsys.readouterr().err
