@@ -87,15 +87,17 @@ address = os.environ.get("{runner_env}", "")
 try:
     with open(os.path.join(os.path.dirname(address), "key"), "rb") as f:
         conn = Client(address, family="AF_UNIX", authkey=f.read())
-except (OSError, EOFError, ValueError):
+except Exception as err:   # no runner (gone, being started again, refusing): Flower's own runs the task
+    sys.stderr.write("pflower stand-in: no runner (%r); the task runs in Flower's flwr-clientapp\\n" % (err,))
     real = os.environ["{real_env}"]
     os.execv(real, [real, *args])
 with conn:
-    conn.send_bytes("\\0".join(args).encode())
     try:
+        conn.send_bytes("\\0".join(args).encode())
         code = int(conn.recv_bytes())
-    except (EOFError, OSError, ValueError):
-        code = 1   # the runner ended during the task: its SuperNode fails the task now (by its token)
+    except Exception as err:   # the runner ended during the task: its SuperNode fails the task now (by its token)
+        code = 1
+        sys.stderr.write("pflower stand-in: the runner ended during the task (%r)\\n" % (err,))
         token = args[args.index("--token") + 1] if "--token" in args[:-1] else ""
         if token:   # (a token is longer than a file name may be: it goes in the file)
             ended = os.path.join(address + ".ended", str(os.getpid()))
@@ -426,6 +428,8 @@ class RunnerKeeper(threading.Thread):
                 if fail_task_now(left.read_text().strip()):
                     log(WARNING, "pflower runner: a ClientApp task ended with the runner; it is failed now "
                         "(CLIENT_APP_CRASHED), and the server sends its message again")
+                else:
+                    log(INFO, "pflower runner: a ClientApp task ended with the runner had finished already")
             finally:
                 left.unlink(missing_ok=True)
 
