@@ -56,9 +56,12 @@ COMMON = ["checkpoint_every=1", "eval_every=5", "train.local_epochs=1", "round_t
 MODES = {"sim": ["run"], "deploy": ["deploy", "experiment=deploy-3"]}
 PROGRESS_WAIT_S = 180.0   # a fault waiting for a round fires anyway after this long (a stuck attempt)
 MAX_ATTEMPTS = 100   # a run whose fault budget is spent gets one attempt without faults
-KINDS = (("superexec", "flower-superexec"), ("superlink", "superlink"), ("flwr run", "bin/flwr run"),
-         ("simulation", "flwr-simulation"), ("serverapp", "flwr-serverapp"), ("runner", "ops.node.runner"),
-         ("supernode", "supernode"), ("ray worker", "ray::"), ("ray", "/ray/"), ("pflower", "ops.cli"))
+# first match wins: a SuperNode's command line names its SuperLink (``--superlink host:port``), so
+# SuperNodes are told apart first (before 2026-12-07 "superlink" came first, and 3 in 4 of the
+# faults counted as the SuperLink's hit a SuperNode)
+KINDS = (("superexec", "flower-superexec"), ("runner", "ops.node.runner"), ("supernode", "supernode"),
+         ("superlink", "superlink"), ("flwr run", "bin/flwr run"), ("simulation", "flwr-simulation"),
+         ("serverapp", "flwr-serverapp"), ("ray worker", "ray::"), ("ray", "/ray/"), ("pflower", "ops.cli"))
 
 
 def kind_of(cmdline: str) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 
 from common.protocol import client_sort_key
 from common.settings import BN_PROTOCOLS, RunKeys, Settings
+from strategies.replies import NO_NODE_AT_EVALUATION
 
 
 def evaluated_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,11 +163,17 @@ def client_coverage(rounds: list[dict[str, Any]], last: Mapping[str, Any],
                 failed_rounds[cid] = failed_rounds.get(cid, 0) + 1
                 last_reason[cid] = f"round {r['round']}: {reason}"
     eval_failed = last.get("eval_failed", {})
-    missing = {c: (f"final evaluation: {eval_failed[c]}" if c in eval_failed
-                   else last_reason.get(c, "no reply to the final evaluation"))
-               for c in expected if c not in reported}
+    missing = {c: _why_missing(eval_failed.get(c), last_reason.get(c)) for c in expected if c not in reported}
     return {"clients_expected": len(expected), "clients_reported": len(reported),
             "clients_missing": missing, "client_failures": failed_rounds}
+
+
+def _why_missing(final_evaluation: str | None, last_failure: str | None) -> str:
+    """Why a client has no final numbers: its final evaluation's failure, unless that only says
+    its node was gone and an earlier round says how it went (``round 16: ... Node Unavailable``)."""
+    if final_evaluation is not None and not (final_evaluation == NO_NODE_AT_EVALUATION and last_failure):
+        return f"final evaluation: {final_evaluation}"
+    return last_failure or "no reply to the final evaluation"
 
 
 def machine_description(device: str) -> dict[str, Any]:

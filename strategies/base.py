@@ -53,6 +53,7 @@ from learning.params import NDArrays, RunningMean, is_float, num_bytes, weighted
 from strategies.addressing import ClientDirectory, Exchange
 from strategies.privacy import CentralDP
 from strategies.replies import (
+    NO_NODE_AT_EVALUATION,
     ClientUpdate,
     Evaluation,
     RoundFailedError,
@@ -174,6 +175,9 @@ class EvaluateRound:
         those messaged; one asked that does not answer is marked failed.
     carried : train replies that carry this round's evaluation (``eval_in_train``).
     exchange : the messages' addressing, the carried replies' train messages included.
+    unreachable : the run's clients with no connected node, so not asked: each is marked
+        failed with :data:`~strategies.replies.NO_NODE_AT_EVALUATION`, so that a round's
+        record says why a client is missing from its evaluation.
     """
 
     server_round: int
@@ -181,6 +185,7 @@ class EvaluateRound:
     asked: list[str]
     carried: list[Message]
     exchange: Exchange
+    unreachable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -577,13 +582,16 @@ class PersonalizedStrategy(Strategy):
         cfg = {**self.train_config, **dict(config), "server-round": server_round}
         exchange = self.directory.exchange(MessageType.EVALUATE, earlier=train_exchange)
         messages = [exchange.message(c, self.payload_for(c), cfg) for c in others]
-        return EvaluateRound(server_round, messages, [*done, *others], carried, exchange)
+        unreachable = [c for c in self.client_ids if c not in answered and c not in exchange.node_of]
+        return EvaluateRound(server_round, messages, [*done, *others], carried, exchange, unreachable)
 
     def evaluation_of(self, evaluate: EvaluateRound, replies: Iterable[Message]) -> Evaluation:
         """The round's evaluation from the replies to ``evaluate``'s messages and the train
         replies it carried; every client asked that did not answer is in ``failed``."""
         evaluation = parse_evaluation_replies([*evaluate.carried, *replies], evaluate.asked,
                                               evaluate.exchange.sender_of, evaluate.exchange.no_reply_reason)
+        for client in evaluate.unreachable:
+            evaluation.failed.setdefault(client, NO_NODE_AT_EVALUATION)
         self.directory.learn(evaluation.nodes)
         return evaluation
 

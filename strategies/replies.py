@@ -63,6 +63,9 @@ class RoundLog:
     nodes: dict[int, str] = field(default_factory=dict)    # node id -> the client it answered for
 
 
+NO_NODE_AT_EVALUATION = "no connected node at this evaluation (its SuperNode is gone or has not reconnected)"
+
+
 @dataclass
 class Evaluation:
     """One round's evaluation: each client's metrics (ordered by client id, so that float

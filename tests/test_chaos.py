@@ -54,3 +54,14 @@ def test_a_finished_partial_run_counts_as_finished(tmp_path: Path) -> None:
     assert chaos.completed(tmp_path, 0)
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
     assert not chaos.completed(tmp_path, 0)
+
+
+def test_each_process_of_a_run_is_told_by_its_command_line() -> None:
+    """A SuperNode's command line names its SuperLink (``--superlink``): it is a SuperNode."""
+    py = "/usr/bin/python3"
+    assert chaos.kind_of(f"{py} /usr/bin/pflower-supernode --superlink 127.0.0.1:9092 --insecure") == "supernode"
+    assert chaos.kind_of(f"{py} -m ops.node.superlink --insecure --isolation subprocess") == "superlink"
+    assert chaos.kind_of(f"{py} /usr/bin/flower-superexec --insecure --runtime-api-address 127.0.0.1:9093 "
+                         "--parent-pid 7") == "superexec"
+    assert chaos.kind_of(f"{py} -m ops.node.runner --address /tmp/r/runner-7.sock --owner-pid 7") == "runner"
+    assert chaos.kind_of(f"{py} -m ops.cli deploy experiment=deploy-3") == "pflower"

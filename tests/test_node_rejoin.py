@@ -245,3 +245,25 @@ def test_a_crashed_message_of_an_unidentified_node_is_sent_again_to_that_node() 
     assert lost.metadata.message_id and list(again) == [lost.metadata.message_id]
     assert again[lost.metadata.message_id].metadata.dst_node_id == node
     assert train.exchange.client_of(again[lost.metadata.message_id]) == f"node-{node}"
+
+
+@pytest.mark.usefixtures("flower_task")
+def test_a_client_without_a_node_at_an_evaluation_is_recorded_with_the_reason() -> None:
+    """Client 1's node goes away for good in round 1: the round's evaluation names it, and the
+    run's coverage says how it was lost (its train failure) rather than only that its node was
+    gone at the end."""
+    from server.summary import client_coverage
+    from strategies.replies import NO_NODE_AT_EVALUATION
+
+    grid = RestartingGrid(list(SIZES), lost="1", away_looks=None)
+    strategy, result = _round(grid, wait_for_clients=0.05)
+    evaluate = strategy.begin_evaluate(1, {}, grid)
+    assert evaluate.unreachable == ["1"] and "1" not in evaluate.asked
+    evaluation = strategy.evaluation_of(evaluate, send_and_receive(grid, evaluate.messages, timeout=10.0))
+    assert sorted(evaluation.per_client) == ["0", "2"] and evaluation.failed == {"1": NO_NODE_AT_EVALUATION}
+    rounds = [{"round": 1, "failed": result.log.failed, "rejected": {}}]
+    last = {"clients": evaluation.per_client, "eval_failed": evaluation.failed}
+    coverage = client_coverage(rounds, last, {c: {} for c in SIZES})
+    assert coverage["clients_missing"] == {"1": f"round 1: {result.log.failed['1']}"}
+    alone = client_coverage([], last, {c: {} for c in SIZES})   # no earlier failure: the evaluation's reason
+    assert alone["clients_missing"] == {"1": f"final evaluation: {NO_NODE_AT_EVALUATION}"}
