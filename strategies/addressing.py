@@ -129,6 +129,11 @@ class ClientDirectory:
         own = {self.node_to_client[n]: n for n in nodes if n in self.node_to_client}
         return nodes, own
 
+    def unidentified(self, nodes: list[int]) -> dict[str, int]:
+        """The nodes of ``nodes`` that could not identify themselves, as ``{"node-<id>": id}``:
+        they are addressed by node, and their failures recorded under that name."""
+        return {f"node-{n}": n for n in nodes if n not in self.node_to_client}
+
     def connected(self, grid: Grid) -> list[str]:
         """The clients to address this round, ordered by client id (nodes that could not be
         identified last, as ``node-<id>``); ``node_of`` says which node serves each.
@@ -159,7 +164,7 @@ class ClientDirectory:
         # held-out clients ("new-k") connected for personalisation, and nodes that could not
         # identify themselves (addressed by node, their failures recorded under that name)
         placed.update({c: n for c, n in own.items() if c.startswith("new-")})
-        placed.update({f"node-{n}": n for n in nodes if n not in self.node_to_client})
+        placed.update(self.unidentified(nodes))
         if len(placed) < self.min_clients:
             raise RoundFailedError(
                 f"only {len(placed)} of {len(self.client_ids)} clients connected within "
@@ -259,7 +264,7 @@ class Exchange:
         ``time_left`` (what is left of the round: a message the round gave up on is never
         delivered late), and identifying new nodes waits no longer."""
         nodes, own = self.directory.nodes_by_client(grid, timeout=time_left)
-        own.update({f"node-{n}": n for n in nodes if n not in self.node_to_client})   # unidentified, by node
+        own.update(self.directory.unidentified(nodes))
         again: dict[str, Message] = {}
         for msg in lost:
             client = self.client_of(msg)

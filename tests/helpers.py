@@ -134,7 +134,7 @@ def received(train: TrainRound, grid: FakeGrid, timeout: float = 5.0) -> TrainRo
     return train
 
 
-def run_settings(**overrides: Any) -> RunSettings:
+def short_run(**overrides: Any) -> RunSettings:
     """Run settings for a strategy built in a test: few rounds, short waits, no run folder."""
     values: dict[str, Any] = dict(seed=0, rounds=2, fraction_train=1.0, min_train_clients=2,
                                   wait_for_clients=1.0, round_timeout=60.0, norm_bound=0.0)
@@ -144,10 +144,10 @@ def run_settings(**overrides: Any) -> RunSettings:
 def make_strategy(cls: type[PersonalizedStrategy], initial_arrays: NDArrays, client_ids: list[str],
                   options: Mapping[str, Any] | None = None, model: Any = None, data: Any = None,
                   **run: Any) -> PersonalizedStrategy:
-    """``cls`` around ``initial_arrays`` with :func:`run_settings` (``run`` overrides them);
+    """``cls`` around ``initial_arrays`` with :func:`short_run` (``run`` overrides them);
     ``options`` (a ``cfg.strategy`` mapping, resolved here as composition resolves it) default
     to FedAvg's (sample-weighted means)."""
-    return cls(initial_arrays=initial_arrays, client_ids=client_ids, run=run_settings(**run),
+    return cls(initial_arrays=initial_arrays, client_ids=client_ids, run=short_run(**run),
                method=resolve_method(options or {"name": "fedavg", "weighted": True}), model=model, data=data)
 
 

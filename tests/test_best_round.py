@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_method_contract import _federate, _run_config
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_config, compose_run
 from learning.datasets.federated import load_federated_data
 from server.summary import build_summary
 from strategies.replies import summarise_clients
@@ -47,8 +47,8 @@ def test_best_round_follows_the_configured_validation_average() -> None:
               _round(2, {"0": (0.55, 0.6), "1": (0.7, 0.7)}, sizes),
               _round(3, {"0": (0.5, 0.5), "1": (0.5, 0.5)}, sizes)]
     info = {c: {"num_train": 5} for c in sizes}
-    by_mean = build_summary(run_settings(compose_config({})), rounds, info, "completed")
-    by_weight = build_summary(run_settings(compose_config({"overrides": "best_round_by=weighted"})), rounds, info, "completed")
+    by_mean = build_summary(compose_run({}).settings, rounds, info, "completed")
+    by_weight = build_summary(compose_run({"overrides": "best_round_by=weighted"}).settings, rounds, info, "completed")
     assert (by_mean["best_round"], by_mean["best_round_by"]) == (1, "val_accuracy_mean")
     assert (by_weight["best_round"], by_weight["best_round_by"]) == (2, "val_accuracy_weighted")
     assert by_weight["best_val_accuracy"] == pytest.approx((0.6 * 10 + 0.7 * 90) / 100)
@@ -87,14 +87,15 @@ def test_compare_reads_r_acc_and_ptr_at_the_best_validation_round(tmp_path: Path
 
 @pytest.mark.usefixtures("flower_task")
 def test_a_run_reports_validation_sizes_and_picks_the_round_by_weighted_accuracy(tmp_path: Path) -> None:
-    _, _, cfg = _federate(_run_config("fedavg", ["best_round_by=weighted"], tmp_path, "w", rounds=2), 1)
+    _, _, composed = _federate(_run_config("fedavg", ["best_round_by=weighted"], tmp_path, "w", rounds=2), 1)
+    cfg = composed.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     rounds = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     for r in rounds:
         for cid, m in r["clients"].items():
             assert m["num-val-examples"] == len(data.clients[cid].val)
         assert r["evaluate"]["val_accuracy_weighted"] == pytest.approx(_slow_weighted(r["clients"]))
-    summary = build_summary(run_settings(cfg), rounds, {c: {"num_train": 1} for c in data.client_ids}, "completed")
+    summary = build_summary(composed.settings, rounds, {c: {"num_train": 1} for c in data.client_ids}, "completed")
     best = max(rounds, key=lambda r: _slow_weighted(r["clients"]))
     assert summary["best_round"] == best["round"] and summary["best_round_by"] == "val_accuracy_weighted"
     assert summary["best_clients"] == {c: m["accuracy"] for c, m in best["clients"].items()}

@@ -21,7 +21,7 @@ from client.fedora import FEDORATrainer
 from client.handlers import trainer_class
 from client.round import ClientRound
 from client.trainer import ClientTrainer
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ComposedRun, ConfigError, compose_config, compose_run
 from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays, set_arrays
@@ -93,20 +93,21 @@ def test_recompute_equals_the_per_batch_average_and_leaves_the_weights() -> None
         assert torch.equal(model.state_dict()[k], v), k
 
 
-def _round(cfg, cid: str = "0") -> ClientRound:
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _round(run: ComposedRun, cid: str = "0") -> ClientRound:
+    data = load_federated_data(run.cfg.dataset, int(run.cfg.seed))
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=CPU, server_round=2)
 
 
 @pytest.mark.parametrize("mode", ["stored", "recompute"])
 def test_a_ditto_client_evaluates_its_personal_model_with_the_chosen_statistics(mode: str) -> None:
-    cfg = compose_config({"strategy": "ditto"}, [f"eval_bn_statistics={mode}"])
-    rnd = _round(cfg)
+    run = compose_run({"strategy": "ditto"}, [f"eval_bn_statistics={mode}"])
+    cfg = run.cfg
+    rnd = _round(run)
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    trainer = DittoTrainer(cfg, run_settings(cfg))
+    trainer = DittoTrainer(cfg, run.settings)
     state = trainer.fit(rnd, payload, {}).state
     bad = {k: (np.full_like(v, 5.0) if k.endswith("running_mean") else v) for k, v in state.items()}
     before = {k: v.copy() for k, v in bad.items()}
@@ -134,11 +135,12 @@ def test_a_ditto_client_evaluates_its_personal_model_with_the_chosen_statistics(
 
 
 def test_a_fedbasis_client_is_evaluated_as_its_combined_network() -> None:
-    cfg = compose_config({"strategy": "fedbasis"}, ["eval_bn_statistics=recompute", "strategy.warm_fraction=0",
-                                                    "strategy.num_bases=2", "strategy.coeff_epochs=1",
-                                                    "strategy.basis_epochs=1"])
-    rnd = _round(cfg)
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
+    run = compose_run({"strategy": "fedbasis"}, ["eval_bn_statistics=recompute", "strategy.warm_fraction=0",
+                                                 "strategy.num_bases=2", "strategy.coeff_epochs=1",
+                                                 "strategy.basis_epochs=1"])
+    cfg = run.cfg
+    rnd = _round(run)
+    trainer = FedBasisTrainer(cfg, run.settings)
     torch.manual_seed(0)
     payload = {k: v for k, v in get_arrays(trainer.new_model(rnd)).items() if k != "coeff_logits"}
     state = trainer.fit(rnd, payload, {}).state
@@ -160,12 +162,13 @@ def test_by_default_a_fedora_client_holding_another_clients_statistics_is_tested
     """FEDORA's theta_k here carries BN running statistics of another client's data (as
     propagation can leave them): the default tests it with statistics recomputed on its own
     train split, and reports the stored ones beside (``stored_bn_*``)."""
-    cfg = compose_config({"strategy": "fedora"}, [])
-    rnd, other = _round(cfg, "0"), _round(cfg, "5")       # client 5: another domain of digits-domains
+    run = compose_run({"strategy": "fedora"}, [])
+    cfg = run.cfg
+    rnd, other = _round(run, "0"), _round(run, "5")       # client 5: another domain of digits-domains
     assert rnd.data.domain != other.data.domain
     torch.manual_seed(0)
     payload = get_arrays(build_model(cfg.model, rnd.input_shape, rnd.num_classes))
-    trainer = FEDORATrainer(cfg, run_settings(cfg))
+    trainer = FEDORATrainer(cfg, run.settings)
     mine, theirs = trainer.fit(rnd, payload, {}).state, trainer.fit(other, payload, {}).state
     state = {k: (theirs[k] if "running_" in k else v) for k, v in mine.items()}   # its weights, their statistics
     out = trainer.evaluate(rnd, payload, state)
@@ -186,12 +189,13 @@ def test_by_default_a_fedora_client_holding_another_clients_statistics_is_tested
 
 
 def test_the_global_model_of_fedavg_is_tested_as_the_server_holds_it() -> None:
-    cfg = compose_config({}, [])                                     # FedAvg, the default cnn with BN
-    rnd = _round(cfg)
+    run = compose_run({}, [])                                        # FedAvg, the default cnn with BN
+    cfg = run.cfg
+    rnd = _round(run)
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    out = ClientTrainer(cfg, run_settings(cfg)).evaluate(rnd, payload, {})
+    out = ClientTrainer(cfg, run.settings).evaluate(rnd, payload, {})
     assert out["accuracy"] == evaluate(model, rnd.data.test, CPU, class_weights=rnd.data.class_weights)["accuracy"]
     assert not any(k.startswith(("own_bn_", "stored_bn_")) for k in out)
 
@@ -204,12 +208,13 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     Ditto's (its own model) is another model, tested apart (here with its stored statistics)."""
     import client.round as round_module  # every test/validation pass of a trainer runs there
 
-    cfg = compose_config({"strategy": strategy}, ["eval_bn_statistics=stored", "eval_bn_compare=false"])
-    rnd = _round(cfg)
+    run = compose_run({"strategy": strategy}, ["eval_bn_statistics=stored", "eval_bn_compare=false"])
+    cfg = run.cfg
+    rnd = _round(run)
     torch.manual_seed(0)
     model = build_model(cfg.model, rnd.input_shape, rnd.num_classes)
     payload = get_arrays(model)
-    trainer = trainer_class(run_settings(cfg).method)(cfg, run_settings(cfg))
+    trainer = trainer_class(run.settings.method)(cfg, run.settings)
     assert isinstance(trainer, DittoTrainer if strategy == "ditto" else ClientTrainer)
     state = trainer.fit(rnd, payload, {}).state
     calls: list[int] = []
@@ -231,17 +236,18 @@ def test_a_personal_model_that_is_the_global_one_is_tested_once(strategy: str, p
     ("recompute", True, ("own", "stored")), ("stored", True, ("stored", "own")), ("stored", False, ("stored",)),
 ])
 def test_the_protocols_measured(mode: str, compare: bool, expected: tuple[str, ...]) -> None:
-    cfg = compose_config({"strategy": "local"}, [f"eval_bn_statistics={mode}", f"eval_bn_compare={compare}"])
-    rnd = _round(cfg)
-    trainer = LocalTrainer(cfg, run_settings(cfg))
+    run = compose_run({"strategy": "local"}, [f"eval_bn_statistics={mode}", f"eval_bn_compare={compare}"])
+    rnd = _round(run)
+    trainer = LocalTrainer(run.cfg, run.settings)
     assert trainer.bn_protocols(trainer.new_model(rnd)) == expected
-    mlp = compose_config({"strategy": "local"}, ["model=mlp"])
-    assert LocalTrainer(mlp, run_settings(mlp)).bn_protocols(build_model(mlp.model, rnd.input_shape, rnd.num_classes)) == ()
+    mlp = compose_run({"strategy": "local"}, ["model=mlp"])
+    assert LocalTrainer(mlp.cfg, mlp.settings).bn_protocols(
+        build_model(mlp.cfg.model, rnd.input_shape, rnd.num_classes)) == ()
 
 
 def test_the_summary_names_its_protocol_and_each_protocols_best_round() -> None:
     """Each protocol's best round is the one with its own highest validation accuracy."""
-    cfg = compose_config({"strategy": "ditto"}, [])
+    run = compose_run({"strategy": "ditto"}, [])
 
     def ev(rnd: int, own: tuple[float, float], stored: tuple[float, float]) -> dict:
         clients = {"0": {"accuracy": own[0], "val_accuracy": own[1], "own_bn_accuracy": own[0],
@@ -251,13 +257,13 @@ def test_the_summary_names_its_protocol_and_each_protocols_best_round() -> None:
         return {"round": rnd, "evaluate": summary, "clients": clients}
 
     rounds = [ev(1, (0.5, 0.9), (0.2, 0.1)), ev(2, (0.6, 0.5), (0.3, 0.8)), ev(3, (0.7, 0.6), (0.25, 0.3))]
-    summary = build_summary(run_settings(cfg), rounds, {"0": {"num_train": 10}}, "completed")
+    summary = build_summary(run.settings, rounds, {"0": {"num_train": 10}}, "completed")
     assert summary["bn_statistics"] == "own"
     own, stored = summary["bn_protocols"]["own"], summary["bn_protocols"]["stored"]
     assert (own["accuracy_mean"], own["best_round"], own["best_accuracy_mean"]) == (0.7, 1, 0.5)
     assert (stored["accuracy_mean"], stored["best_round"], stored["best_accuracy_mean"]) == (0.25, 2, 0.3)
     assert summary["best_round"] == own["best_round"] and summary["accuracy_mean"] == own["accuracy_mean"]
-    fedavg = build_summary(run_settings(compose_config({}, [])), [{"round": 1, "evaluate": {
+    fedavg = build_summary(compose_run({}, []).settings, [{"round": 1, "evaluate": {
         "accuracy_mean": 0.5, "accuracy_min": 0.5, "accuracy_std": 0.0}, "clients": {"0": {"accuracy": 0.5}}}],
         {"0": {}}, "completed")
     assert fedavg["bn_statistics"].startswith("as held") and "bn_protocols" not in fedavg

@@ -30,7 +30,7 @@ from common.bundles import (
     run_bundle,
     send_and_receive,
 )
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from common.flower_compat import CLIENT_APP_RAISED_EXCEPTION
 from common.protocol import ARRAYS_KEY, CONFIG_KEY, from_record, to_record
 from learning.datasets.federated import load_federated_data
@@ -194,12 +194,13 @@ def test_a_federation_in_bundles_ends_bit_for_bit_where_one_node_per_client_ends
 
     def federate(run: str, grid_of: type[FakeGrid], num_nodes: int | None, run_id: int) -> BundlingGrid | FakeGrid:
         run_config = _run_config(name, extra, tmp_path, run, rounds=3)
-        cfg = compose_config(run_config)
+        composed = compose_run(run_config)
+        cfg = composed.cfg
         data = load_federated_data(cfg.dataset, int(cfg.seed))
         nodes = num_nodes or len(data.client_ids)
         grid = grid_of([str(p) for p in range(nodes)], NodeClients(run_config, data.client_ids, run_id, nodes),
                        num_partitions=nodes)
-        run_federation(build_strategy(cfg, data), grid, run_settings(cfg), RunRecorder(cfg, run_settings(cfg)))
+        run_federation(build_strategy(cfg, data), grid, composed.settings, RunRecorder(cfg, composed.settings))
         return grid
 
     federate("apart", FakeGrid, None, 1)

@@ -10,7 +10,7 @@ from client.baselines import DittoTrainer, FedBNTrainer, LocalTrainer
 from client.round import ClientRound
 from client.state import ClientStateStore, StateCorruptError
 from client.trainer import ClientTrainer
-from common.config import _compose_cached, compose_config, compose_run, run_settings
+from common.config import ComposedRun, _compose_cached, compose_run
 from learning.datasets.federated import load_federated_data
 from learning.models import build_model, parameter_groups
 from learning.params import get_arrays
@@ -40,9 +40,9 @@ def test_truncated_state_is_refused(tmp_path):
         ClientStateStore(tmp_path / "c1").load()
 
 
-def _round(cfg, cid="0", server_round=1):
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _round(run: ComposedRun, cid="0", server_round=1):
+    data = load_federated_data(run.cfg.dataset, int(run.cfg.seed))
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=server_round)
 
 
@@ -53,10 +53,11 @@ def _initial(cfg):
 
 
 def test_fedbn_keeps_bn_local_across_rounds_and_restart(tmp_path):
-    cfg = compose_config({"strategy": "fedbn"})
-    trainer = FedBNTrainer(cfg, run_settings(cfg))
+    run = compose_run({"strategy": "fedbn"})
+    cfg = run.cfg
+    trainer = FedBNTrainer(cfg, run.settings)
     payload = _initial(cfg)
-    res1 = trainer.fit(_round(cfg), payload, {})
+    res1 = trainer.fit(_round(run), payload, {})
     model = build_model(cfg.model, (1, 8, 8), 10)
     bn = parameter_groups(model)["bn"]
     assert bn and not set(bn) & set(res1.upload), "FedBN must not upload BN tensors"
@@ -65,41 +66,44 @@ def test_fedbn_keeps_bn_local_across_rounds_and_restart(tmp_path):
     # restart: a new store object reads the disk; the server sends a payload with other BN values
     state, _ = ClientStateStore(tmp_path / "0").load()
     payload2 = {k: (v + 5.0 if k in bn and v.dtype.kind == "f" else v) for k, v in payload.items()}
-    loaded = trainer.load_model(_round(cfg, server_round=2), payload2, state)
+    loaded = trainer.load_model(_round(run, server_round=2), payload2, state)
     got = get_arrays(loaded, bn)
     for k in bn:
         np.testing.assert_array_equal(got[k], res1.state["model/" + k])
 
 
 def test_local_uploads_nothing_and_continues_its_own_model(tmp_path):
-    cfg = compose_config({"strategy": "local"})
-    trainer = LocalTrainer(cfg, run_settings(cfg))
+    run = compose_run({"strategy": "local"})
+    cfg = run.cfg
+    trainer = LocalTrainer(cfg, run.settings)
     payload = _initial(cfg)
-    r1 = trainer.fit(_round(cfg), payload, {})
+    r1 = trainer.fit(_round(run), payload, {})
     assert r1.upload == {}
     junk = {k: np.zeros_like(v) for k, v in payload.items()}
-    model = trainer.load_model(_round(cfg, server_round=2), junk, r1.state)
+    model = trainer.load_model(_round(run, server_round=2), junk, r1.state)
     for k, v in get_arrays(model).items():
         np.testing.assert_array_equal(v, r1.state["model/" + k])
 
 
 def test_ditto_personal_model_persists_and_differs_from_global():
-    cfg = compose_config({"strategy": "ditto"})
-    trainer = DittoTrainer(cfg, run_settings(cfg))
+    run = compose_run({"strategy": "ditto"})
+    cfg = run.cfg
+    trainer = DittoTrainer(cfg, run.settings)
     payload = _initial(cfg)
-    r1 = trainer.fit(_round(cfg), payload, {})
+    r1 = trainer.fit(_round(run), payload, {})
     personal = {k[len("personal/"):]: v for k, v in r1.state.items() if k.startswith("personal/")}
     assert personal and set(personal) == set(payload)
     assert any(not np.array_equal(personal[k], r1.upload[k]) for k in r1.upload)
-    model = trainer.personal_model(_round(cfg, server_round=2), payload, r1.state)
+    model = trainer.personal_model(_round(run, server_round=2), payload, r1.state)
     for k, v in get_arrays(model).items():
         np.testing.assert_array_equal(v, personal[k])
 
 
 def test_fedavg_trainer_learns_on_its_split():
-    cfg = compose_config({}, ["train.local_epochs=5"])
-    trainer = ClientTrainer(cfg, run_settings(cfg))
-    rnd = _round(cfg)
+    run = compose_run({}, ["train.local_epochs=5"])
+    cfg = run.cfg
+    trainer = ClientTrainer(cfg, run.settings)
+    rnd = _round(run)
     payload = _initial(cfg)
     before = trainer.evaluate(rnd, payload, {})
     res = trainer.fit(rnd, payload, {})
@@ -112,10 +116,11 @@ def test_fedprox_proximal_term_pulls_towards_the_global_model():
     from client.baselines import FedProxTrainer
 
     def drift(strategy, mu):
-        cfg = compose_config({"strategy": strategy}, ["train.local_epochs=3"] + ([f"strategy.mu={mu}"] if mu else []))
-        trainer = FedProxTrainer(cfg, run_settings(cfg)) if strategy == "fedprox" else ClientTrainer(cfg, run_settings(cfg))
+        run = compose_run({"strategy": strategy}, ["train.local_epochs=3"] + ([f"strategy.mu={mu}"] if mu else []))
+        cfg = run.cfg
+        trainer = FedProxTrainer(cfg, run.settings) if strategy == "fedprox" else ClientTrainer(cfg, run.settings)
         payload = _initial(cfg)
-        up = trainer.fit(_round(cfg), payload, {}).upload
+        up = trainer.fit(_round(run), payload, {}).upload
         params = [k for k in up if "running_" not in k and up[k].dtype.kind == "f"]  # parameters, not BN stats
         return sum(float(np.sum((up[k].astype(np.float64) - payload[k]) ** 2)) for k in params)
 

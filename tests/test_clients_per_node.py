@@ -17,7 +17,7 @@ from test_method_contract import Clients, _records, _run_config
 
 from client import app as client_app
 from client.identity import client_id_of, serves, serves_several
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from common.protocol import CONFIG_KEY, TARGET_CLIENT, make_reply, to_record
 from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
@@ -51,7 +51,8 @@ class NodeClients(Clients):
 
 
 def _federate_on(run_config: dict[str, Any], run_id: int, num_nodes: int | None) -> PersonalizedStrategy:
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
     if num_nodes is None:   # one node per client
@@ -60,7 +61,7 @@ def _federate_on(run_config: dict[str, Any], run_id: int, num_nodes: int | None)
     else:
         grid = FakeGrid([str(p) for p in range(num_nodes)],
                         NodeClients(run_config, data.client_ids, run_id, num_nodes), num_partitions=num_nodes)
-    run_federation(strategy, grid, run_settings(cfg), RunRecorder(cfg, run_settings(cfg)))
+    run_federation(strategy, grid, run.settings, RunRecorder(cfg, run.settings))
     if num_nodes is not None:   # a node's context is shared by its clients: no state cached in it
         assert all(not c.state.array_records for c in grid.handler.contexts.values())
     return strategy

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import ConfigError, compose_config, group_options, run_settings
+from common.config import ConfigError, compose_config, compose_run, group_options
 from ops import cli
 from ops.deployment import launch
 from server.checkpoint import save_checkpoint
@@ -122,10 +122,10 @@ def test_a_mistyped_key_names_the_nearest_valid_one(capsys: pytest.CaptureFixtur
 
 # ---------------------------------------------------------------- resume
 def _fake_run(root: Path, strategy: str = "fedbn", rnd: int = 2, seed: int = 0) -> Path:
-    cfg = compose_config({"strategy": strategy, "seed": str(seed)})
+    composed = compose_run({"strategy": strategy, "seed": str(seed)})
     run_dir = root / "old"
     save_checkpoint(run_dir, rnd, {"global": {"w": np.zeros(2, np.float32)}},
-                    {**checkpoint_identity(run_settings(cfg), 8), "strategy_state": {}})
+                    {**checkpoint_identity(composed.settings, 8), "strategy_state": {}})
     return run_dir
 
 

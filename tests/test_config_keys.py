@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from common.config import ConfigError, compose_config, compose_run, run_settings
+from common.config import ConfigError, compose_config, compose_run, load_finished_run, run_settings
 from common.settings import FinetuneSettings, PersonalizeSettings, RunKeys, TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,28 +64,38 @@ def test_no_code_casts_the_config_outside_composition() -> None:
 # Where the typed settings are read from a config: composition (which also loads a finished run
 # folder's config.yaml for the commands of ops/ and bench/: load_finished_run), and the
 # ServerApp's edge, which hands them down (the ClientApp's handlers take them from composition).
+# The tests take them from composition too (compose_run, load_finished_run), as the apps do.
 SETTINGS_READERS = ("common/config.py", "server/app.py")
-RUN_SETTINGS_CALL = re.compile(r"\brun_settings\(")
+RUN_SETTINGS_CALL = re.compile(rf"\b{run_settings.__name__}\(")
 
 
 def test_below_the_app_edges_code_takes_settings_and_never_reads_them_from_the_config() -> None:
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-             for pkg in ("learning", "common", "strategies", "client", "server", "ops", "bench")
+             for pkg in ("learning", "common", "strategies", "client", "server", "ops", "bench", "tests")
              for path in sorted((REPO / pkg).rglob("*.py"))
              if path.relative_to(REPO).as_posix() not in SETTINGS_READERS
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if RUN_SETTINGS_CALL.search(line) and not line.lstrip().startswith(("#", "``"))]
     assert found == [], "settings read from the config below the app edges (take Settings as an argument):\n" + \
         "\n".join(found)
-    assert RUN_SETTINGS_CALL.search("run = run_settings(cfg).run") and not RUN_SETTINGS_CALL.search("def settings(")
+    reader = run_settings.__name__
+    assert RUN_SETTINGS_CALL.search(f"run = {reader}(cfg).run") and not RUN_SETTINGS_CALL.search("def settings(")
 
 
-def test_run_settings_are_the_composed_groups_typed_and_read_once() -> None:
+def _finished_run(folder: Path, cfg: object) -> Path:
+    """``folder`` as a run folder whose ``config.yaml`` is ``cfg``, written as a run writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return folder
+
+
+def test_run_settings_are_the_composed_groups_typed_and_read_once(tmp_path: Path) -> None:
     composed = compose_run({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"])
     cfg, settings = composed.cfg, composed.settings
     # read when composed, and kept with the config: composing it again in this process gives them back
     assert compose_run({}, ["train.lr=0.02", "finetune.epochs=3", "rounds=7", "seed=4"]).settings is settings
-    assert run_settings(cfg) == settings                    # the reader gives the same, read again
+    # the run's config.yaml, read again by a command that goes on from the run, gives the same
+    assert load_finished_run(_finished_run(tmp_path / "run", cfg)).settings == settings
     plain = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(plain, dict)
     assert settings.train == TrainSettings(**{**plain["train"], "lr_milestones": tuple(plain["train"]["lr_milestones"])})
@@ -106,14 +116,14 @@ def test_run_settings_are_the_composed_groups_typed_and_read_once() -> None:
                                                                   cfg.train.clip, False)
 
 
-def test_settings_of_a_config_that_can_change_are_read_again_and_a_missing_key_is_named() -> None:
+def test_settings_of_a_config_that_can_change_are_read_again_and_a_missing_key_is_named(tmp_path: Path) -> None:
     cfg = OmegaConf.create(OmegaConf.to_container(compose_config({}), resolve=True))
-    assert run_settings(cfg).run.rounds == compose_config({}).rounds
-    cfg.rounds = 9                                      # a run folder's config.yaml, before it is frozen
-    assert run_settings(cfg).run.rounds == 9
+    assert load_finished_run(_finished_run(tmp_path / "a", cfg)).settings.run.rounds == compose_config({}).rounds
+    cfg.rounds = 9                                      # a run folder's config.yaml, edited since
+    assert load_finished_run(_finished_run(tmp_path / "b", cfg)).settings.run.rounds == 9
     del cfg.train["clip"]
     with pytest.raises(ConfigError, match=r"train\.clip"):
-        run_settings(cfg)
+        load_finished_run(_finished_run(tmp_path / "c", cfg))
 
 
 def test_the_check_finds_a_restated_default() -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from common.config import ConfigError, compose_config, run_settings, validate_config
+from common.config import ConfigError, compose_config, compose_run, validate_config
 from common.methods import method, method_names
 from learning.dpsgd import DPSGDConfig, epsilon_of, model_problems
 from learning.training import OptimConfig, train_epochs
@@ -129,7 +129,8 @@ def _federate(root: Path, run: str, rounds: int, extra: str = "") -> tuple[Any, 
                   "overrides": "model=mlp dataset.clients_per_domain=1 dataset.new_clients_per_domain=0 "
                                "fraction_train=1.0 privacy.record_dp=dpsgd privacy.record_noise_multiplier=1.1 "
                                + extra}
-    cfg = compose_config(run_config)
+    composed = compose_run(run_config)
+    cfg = composed.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     contexts = {c: Context(run_id=1, node_id=int(c) + 1, node_config={"partition-id": int(c), "num-partitions": 4},
                            state=RecordDict(), run_config=run_config) for c in data.client_ids}
@@ -139,7 +140,7 @@ def _federate(root: Path, run: str, rounds: int, extra: str = "") -> tuple[Any, 
         return kind(msg, contexts[cid])
 
     strategy = build_strategy(cfg, data)
-    run_federation(strategy, FakeGrid(data.client_ids, handler), run_settings(cfg), RunRecorder(cfg, run_settings(cfg)))
+    run_federation(strategy, FakeGrid(data.client_ids, handler), composed.settings, RunRecorder(cfg, composed.settings))
     return strategy, cfg, data
 
 

@@ -14,7 +14,7 @@ from flwr.app import MessageType
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from learning.datasets.federated import load_federated_data
 from server.app import build_strategy
 from server.loop import run_federation
@@ -54,12 +54,13 @@ class StopAtRound:
 @pytest.mark.usefixtures("flower_task")
 def test_a_run_resumed_before_an_evaluation_arrived_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
     run_config = _run_config("fedbn", [], tmp_path, "stopped", rounds=3)
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     clients = Clients(run_config, data.client_ids, 1)
-    recorder = RunRecorder(cfg, run_settings(cfg))
+    recorder = RunRecorder(cfg, run.settings)
     with pytest.raises(KeyboardInterrupt):
-        run_federation(build_strategy(cfg, data), StopAtRound(FakeGrid(data.client_ids, clients), 2), run_settings(cfg), recorder)
+        run_federation(build_strategy(cfg, data), StopAtRound(FakeGrid(data.client_ids, clients), 2), run.settings, recorder)
     recorder.close()
     assert "evaluate" not in _records(tmp_path / "stopped")[0]  # round 1's evaluation was still to come
 

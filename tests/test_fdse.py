@@ -20,7 +20,7 @@ from helpers import pflower
 from client.fdse import FDSETrainer, adapt_unseen, personal_init
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX
-from common.config import compose_config, run_settings
+from common.config import ComposedRun, compose_config, compose_run
 from learning.datasets.federated import load_federated_data
 from learning.fdse_model import keys_by_class, parameter_classes, shared_bn_stats
 from learning.models import build_model
@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def setup():
-    cfg = compose_config({"experiment": "fdse-digits"}, ["rounds=2"])
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return cfg, data
+    run = compose_run({"experiment": "fdse-digits"}, ["rounds=2"])
+    data = load_federated_data(run.cfg.dataset, int(run.cfg.seed))
+    return run, data
 
 
 def make_strategy(cfg, data, client_ids=None) -> FDSE:
@@ -48,17 +48,18 @@ def make_strategy(cfg, data, client_ids=None) -> FDSE:
                                  options=dict(cfg.strategy), model=model, data=data)
 
 
-def client_round(cfg, data, cid: str, rnd: int) -> ClientRound:
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def client_round(run: ComposedRun, data, cid: str, rnd: int) -> ClientRound:
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=rnd)
 
 
 @pytest.fixture(scope="module")
 def two_rounds(setup):
     """Real FDSETrainer.fit calls of clients 0, 1, 2: round 1 all three, round 2 only 0, 1."""
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat = make_strategy(cfg, data, ["0", "1", "2"])
-    trainer = FDSETrainer(cfg, run_settings(cfg))
+    trainer = FDSETrainer(cfg, run.settings)
     states: dict[str, dict] = {c: {} for c in ("0", "1", "2")}
     log: dict = {"payloads": {}, "results": {}, "personal_after": {}}
     for rnd, clients in ((1, ["0", "1", "2"]), (2, ["0", "1"])):
@@ -66,7 +67,7 @@ def two_rounds(setup):
         for node, cid in enumerate(clients):
             payload = strat.payload_for(cid)
             sent[cid] = payload
-            res = trainer.fit(client_round(cfg, data, cid, rnd), payload, states[cid])
+            res = trainer.fit(client_round(run, data, cid, rnd), payload, states[cid])
             states[cid] = res.state
             log["payloads"][(rnd, cid)] = payload
             log["results"][(rnd, cid)] = res
@@ -112,7 +113,8 @@ def _slow_attention(rows: list[np.ndarray], tau: float) -> list[np.ndarray]:
 
 
 def test_aggregate_matches_slow_computation(setup):
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat = make_strategy(cfg, data, ["0", "1"])
     groups = strat.groups
     old = {k: v.copy() for k, v in strat.global_arrays.items()}
@@ -145,7 +147,8 @@ def test_aggregate_matches_slow_computation(setup):
 def test_consensus_update_never_conflicts_with_a_client(setup):
     """MGDA property: the aggregated update has a non-negative inner product with every
     client's update (paper, below Eq. 8)."""
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat = make_strategy(cfg, data, ["0", "1", "2"])
     old = {k: v.copy() for k, v in strat.global_arrays.items()}
     rng = np.random.default_rng(2)
@@ -162,7 +165,7 @@ def test_consensus_update_never_conflicts_with_a_client(setup):
 
 # ------------------------------------------------------------------ client privacy
 def test_local_statistics_never_leave_the_client(setup, two_rounds):
-    cfg, data = setup
+    run, data = setup
     strat, trainer, states, log = two_rounds
     local = set(strat.groups["local"])
     assert local and all(".dse_bn.running_" in k or ".dse_bn.num_batches" in k for k in local)
@@ -176,7 +179,7 @@ def test_local_statistics_never_leave_the_client(setup, two_rounds):
     k = next(x for x in local if x.endswith("running_mean"))
     stored = states["0"][MODEL_PREFIX + k]
     assert np.abs(stored).max() > 0
-    model = trainer.load_model(client_round(cfg, data, "0", 3), strat.payload_for("0"), states["0"])
+    model = trainer.load_model(client_round(run, data, "0", 3), strat.payload_for("0"), states["0"])
     np.testing.assert_array_equal(get_arrays(model, [k])[k], stored)
     # and the server refuses an upload that carries them
     bad = {**log["results"][(1, "0")].upload, k: stored}
@@ -207,7 +210,8 @@ def test_consistency_loss_active_from_round_two(two_rounds):
 
 
 def test_fdse_needs_an_fdse_model(setup):
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     plain = build_model(compose_config({}, ["model=alexnet-bn"]).model, data.input_shape, data.num_classes)
     with pytest.raises(ValueError, match="fdse-alexnet"):
         helpers.make_strategy(FDSE, get_arrays(plain), ["0"], options=dict(cfg.strategy), model=plain)
@@ -215,7 +219,8 @@ def test_fdse_needs_an_fdse_model(setup):
 
 # ------------------------------------------------------------------ unseen domains
 def test_adapt_unseen_trains_only_personal_modules(setup, two_rounds):
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat = two_rounds[0]
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     pkeys = strat.groups["personal"]
@@ -247,10 +252,11 @@ def test_the_adapt_mode_of_personalize_is_the_trainers_algorithm_3(setup, two_ro
     from client.trainer import ClientTrainer
     from learning.params import set_arrays
 
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat, trainer = two_rounds[0], two_rounds[1]
     groups, _ = strat.state()
-    rnd = ClientRound(settings=run_settings(cfg), client_id="new-1", data=data.new_clients["new-1"], num_classes=data.num_classes,
+    rnd = ClientRound(settings=run.settings, client_id="new-1", data=data.new_clients["new-1"], num_classes=data.num_classes,
                       input_shape=data.input_shape, device=torch.device("cpu"), server_round=3)
     got = trainer.adapt_new_client(rnd, groups, {"init": "mean", "epochs": 1, "lr": None, "adapt_on": None})
     torch.manual_seed(int(cfg.seed))
@@ -278,7 +284,8 @@ def test_paper_model_size_and_upload_ratio(setup):
         + (9216 * 1024 + 1024 + 2048) + (1024 * 1024 + 1024 + 2048) + (1024 * 10 + 10)
     assert abs(n / 0.65e7 - 1) < 0.01 and abs(plain / 1.30e7 - 1) < 0.01
     # the digits pairing used for the measurement: fdse-digits vs alexnet-bn width 0.125
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     strat = make_strategy(cfg, data)
     base = build_model(compose_config({}, ["model=alexnet-bn", "model.width=0.125"]).model,
                        data.input_shape, data.num_classes)
@@ -322,7 +329,8 @@ def test_table1_experiments_compose(exp, lam, tau, beta, lr, epochs, tmp_path):
 
 
 def test_digits_experiment_composes(setup):
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     assert cfg.strategy.name == "fdse" and cfg.dataset.clients_per_domain == 1
     assert len(data.clients) == 4 and len(data.new_clients) == 4
     assert sorted(c.domain for c in data.new_clients.values()) == sorted(cfg.dataset.domains)
@@ -358,9 +366,9 @@ def test_evaluation_tests_the_model_right_after_local_training(setup, two_rounds
     ``evaluate=aggregated`` tests what the server sends."""
     from learning.training import evaluate as evaluate_model
 
-    cfg, data = setup
+    run, data = setup
     strat, trainer, states, log = two_rounds
-    rnd = client_round(cfg, data, "0", 2)
+    rnd = client_round(run, data, "0", 2)
     res = log["results"][(2, "0")]
     for k, v in res.upload.items():   # the kept model is the one that was trained and uploaded
         np.testing.assert_array_equal(states["0"][FDSETrainer.TRAINED + k], v)
@@ -369,8 +377,8 @@ def test_evaluation_tests_the_model_right_after_local_training(setup, two_rounds
     assert now["accuracy"] == older["accuracy"] and now["loss"] == older["loss"]
     trained = trainer.own_model(rnd, {}, states["0"], FDSETrainer.TRAINED)
     assert now["accuracy"] == evaluate_model(trained, data.client("0").test, torch.device("cpu"))["accuracy"]
-    aggregated_cfg = compose_config({"experiment": "fdse-digits"}, ["rounds=2", "strategy.evaluate=aggregated"])
-    aggregated = FDSETrainer(aggregated_cfg, run_settings(aggregated_cfg))
+    aggregated_run = compose_run({"experiment": "fdse-digits"}, ["rounds=2", "strategy.evaluate=aggregated"])
+    aggregated = FDSETrainer(aggregated_run.cfg, aggregated_run.settings)
     sent = aggregated.evaluate(rnd, strat.payload_for("0"), states["0"])
     first = aggregated.evaluate(rnd, log["payloads"][(1, "0")], states["0"])
     assert (sent["loss"], sent["accuracy"]) != (first["loss"], first["accuracy"])

@@ -20,7 +20,7 @@ from client.fedbabu import HEAD_PREFIX, FedBABUTrainer, FedProxBABUTrainer, Head
 from client.handlers import trainer_class
 from client.round import ClientRound
 from client.trainer import ClientTrainer, step_lr_scale, unprefixed
-from common.config import compose_config, run_settings
+from common.config import ComposedRun, compose_config, compose_run
 from learning.datasets.federated import load_federated_data
 from learning.params import num_bytes
 from server.app import build_strategy
@@ -121,29 +121,30 @@ def test_step_lr_scale_matches_the_authors_loop(rounds):
 # ----------------------------------------------------------------- federated drive
 @pytest.fixture(scope="module")
 def setup():
-    cfg = compose_config(
+    run = compose_run(
         {"strategy": "fedbabu", "dataset": "digits-shards", "rounds": "3"},
         ["dataset.clients_per_domain=3", "train.weight_decay=5e-4", "train.momentum=0.9",
          "finetune.epochs=1", "finetune.curve=true", "finetune.curve_epochs=[0,1,2]",
          # the paper's text (the defaults are the authors' code: see the test after the drive)
          "strategy.weighted=true", "strategy.head_init=orthogonal"],
     )
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return cfg, data
+    data = load_federated_data(run.cfg.dataset, int(run.cfg.seed))
+    return run, data
 
 
-def _rnd(cfg, data, cid, server_round, config):
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _rnd(run: ComposedRun, data, cid, server_round, config):
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
                        server_round=server_round, message_config=dict(config))
 
 
 def test_three_rounds_head_bitwise_fixed_body_changes(setup):
-    cfg, data = setup
+    run, data = setup
+    cfg = run.cfg
     assert float(cfg.train.weight_decay) > 0 and float(cfg.train.momentum) > 0
     assert data.client_ids == ["0", "1", "2"]
     strategy = build_strategy(cfg, data)
-    trainer = FedBABUTrainer(cfg, run_settings(cfg))
+    trainer = FedBABUTrainer(cfg, run.settings)
     head0 = {k: v.copy() for k, v in strategy.head.items()}
     assert sorted(head0) == sorted(HEAD_KEYS)
     w = head0["head.weight"].astype(np.float64)
@@ -157,7 +158,7 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
             payload = strategy.payload_for(cid)
             # the head travels only until the client has stored it
             assert (set(HEAD_KEYS) <= set(payload)) == (r == 1)
-            rnd = _rnd(cfg, data, cid, r, strategy.train_config)
+            rnd = _rnd(run, data, cid, r, strategy.train_config)
             res = trainer.fit(rnd, payload, states[cid])
             states[cid] = res.state
             stored = unprefixed(res.state, HEAD_PREFIX)
@@ -181,15 +182,15 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
     assert len(changed) >= len([k for k in body0 if k.endswith("weight")]) - 1  # the body trained
     assert strategy.head_acked == {"0", "1", "2"}
     # Control: with the same settings a FedAvg client does move the head (so the check above can fail).
-    fedavg_cfg = compose_config({"strategy": "fedavg", "dataset": "digits-shards", "rounds": "3"},
-                                ["dataset.clients_per_domain=3", "train.weight_decay=5e-4",
-                                 "train.momentum=0.9"])
-    fedavg_res = ClientTrainer(fedavg_cfg, run_settings(fedavg_cfg)).fit(_rnd(fedavg_cfg, data, "0", 1, {}), strategy.payload_for(None), {})
+    fedavg = compose_run({"strategy": "fedavg", "dataset": "digits-shards", "rounds": "3"},
+                         ["dataset.clients_per_domain=3", "train.weight_decay=5e-4",
+                          "train.momentum=0.9"])
+    fedavg_res = ClientTrainer(fedavg.cfg, fedavg.settings).fit(_rnd(fedavg, data, "0", 1, {}), strategy.payload_for(None), {})
     assert not np.array_equal(fedavg_res.upload["head.weight"], head0["head.weight"])
 
     # Evaluation: initial (global) accuracy = curve at 0 epochs; accuracy = after fine-tuning.
     final = {**strategy.train_config, "final": True}
-    out = trainer.evaluate(_rnd(cfg, data, "0", 3, final), strategy.payload_for("0"), states["0"])
+    out = trainer.evaluate(_rnd(run, data, "0", 3, final), strategy.payload_for("0"), states["0"])
     assert {"ft_acc_e0", "ft_acc_e1", "ft_acc_e2", "global_accuracy", "ft_accuracy"} <= set(out)
     assert out["ft_acc_e0"] == out["global_accuracy"]
     assert out["accuracy"] == out["ft_accuracy"] == out["ft_acc_e1"]
@@ -197,19 +198,19 @@ def test_three_rounds_head_bitwise_fixed_body_changes(setup):
 
     # A client whose state was lost fails with a clear error and is sent the head again.
     with pytest.raises(HeadMissingError, match="no stored head"):
-        trainer.fit(_rnd(cfg, data, "1", 4, strategy.train_config), strategy.payload_for("1"), {})
+        trainer.fit(_rnd(run, data, "1", 4, strategy.train_config), strategy.payload_for("1"), {})
     strategy._forget_failed(["1"])
     assert set(HEAD_KEYS) <= set(strategy.payload_for("1"))
     bad = {**states["2"], HEAD_PREFIX + "head.bias": np.ones_like(head0["head.bias"])}
     with pytest.raises(HeadMissingError, match="does not match"):
-        trainer.fit(_rnd(cfg, data, "2", 4, strategy.train_config), strategy.payload_for("2"), bad)
+        trainer.fit(_rnd(run, data, "2", 4, strategy.train_config), strategy.payload_for("2"), bad)
     assert strategy.train_config[HEAD_DIGEST_KEY] == head_digest(head0)
 
 
 def test_defaults_are_the_authors_code_plain_mean_and_default_head_init(setup):
     """The authors' federated code: PyTorch's nn.Linear head init and a plain mean of the
     bodies, whatever the client sizes (the paper's text, weighted and orthogonal, is the option)."""
-    cfg, data = setup
+    run, data = setup
     cfg2 = compose_config({"strategy": "fedbabu", "dataset": "digits-shards", "rounds": "3"},
                           ["dataset.clients_per_domain=3"])
     assert (cfg2.strategy.weighted, cfg2.strategy.head_init) == (False, "default")
@@ -231,33 +232,34 @@ def test_defaults_are_the_authors_code_plain_mean_and_default_head_init(setup):
 
 
 def test_fedprox_body_only_freezes_head(setup):
-    cfg, data = setup
-    cfg2 = compose_config({"strategy": "fedprox", "dataset": "digits-shards", "rounds": "3"},
-                          ["dataset.clients_per_domain=3", "strategy.body_only=true", "strategy.mu=0.1"])
+    run, data = setup
+    run2 = compose_run({"strategy": "fedprox", "dataset": "digits-shards", "rounds": "3"},
+                       ["dataset.clients_per_domain=3", "strategy.body_only=true", "strategy.mu=0.1"])
+    cfg2 = run2.cfg
     strategy = build_strategy(cfg2, data)
     assert type(strategy) is FedBABU and strategy.name == "fedprox", "body_only must select FedBABU's server rule"
     assert strategy.head_init == "orthogonal"
     payload = strategy.payload_for("0")
-    trainer = trainer_class(run_settings(cfg2).method)(cfg2, run_settings(cfg2))
+    trainer = trainer_class(run2.settings.method)(cfg2, run2.settings)
     assert isinstance(trainer, FedProxBABUTrainer) and trainer.finetunes
-    res = trainer.fit(_rnd(cfg2, data, "0", 1, {}), payload, {})
+    res = trainer.fit(_rnd(run2, data, "0", 1, {}), payload, {})
     assert not set(res.upload) & set(HEAD_KEYS)
     assert not np.array_equal(res.upload["features.0.weight"], payload["features.0.weight"])
     for k in HEAD_KEYS:  # the head is FedBABU's fixed head and stays bitwise fixed
         np.testing.assert_array_equal(res.state["head/" + k], strategy.head[k])
-    plain = compose_config({"strategy": "fedprox"})
-    assert trainer_class(run_settings(plain).method) is FedProxTrainer
-    assert not FedProxTrainer(plain, run_settings(plain)).finetunes
+    plain = compose_run({"strategy": "fedprox"})
+    assert trainer_class(plain.settings.method) is FedProxTrainer
+    assert not FedProxTrainer(plain.cfg, plain.settings).finetunes
 
 
 # ----------------------------------------------------------------- results + configs
 def test_summary_finetune_curve_is_numerically_ordered(tmp_path):
-    cfg = compose_config({"strategy": "fedbabu", "results-root": str(tmp_path)})
+    run = compose_run({"strategy": "fedbabu", "results-root": str(tmp_path)})
     ev = {"accuracy_mean": 0.9, "accuracy_min": 0.8, "accuracy_std": 0.1, "val_accuracy_mean": 0.9}
     for e, a in [(10, 0.95), (0, 0.3), (2, 0.8), (1, 0.7), (5, 0.9)]:
         ev.update({f"ft_acc_e{e}_mean": a, f"ft_acc_e{e}_min": a, f"ft_acc_e{e}_std": 0.0})
     rounds = [{"round": 1, "evaluate": ev, "clients": {"0": {"accuracy": 0.9}}}]
-    summary = build_summary(run_settings(cfg), rounds, {"0": {"num_train": 5}}, "completed")
+    summary = build_summary(run.settings, rounds, {"0": {"num_train": 5}}, "completed")
     assert list(summary["finetune_curve"]) == ["0", "1", "2", "5", "10"]
     assert summary["finetune_curve"]["10"] == 0.95
 

@@ -19,7 +19,7 @@ from client.fedbasis import FedBasisTrainer
 from client.finetune import personalize_curve
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX, LocalRound
-from common.config import ConfigError, compose_config, run_settings, validate_config
+from common.config import ComposedRun, ConfigError, compose_config, compose_run, validate_config
 from common.flower_compat import send_and_receive
 from common.protocol import make_reply
 from learning.basis import COEFF_KEY, MAJOR_PREFIX, BasisModel, basis_prefix
@@ -38,10 +38,14 @@ from strategies.fedbasis_math import (
 )
 
 
+def _run(*overrides: str) -> ComposedRun:
+    return compose_run({"strategy": "fedbasis"}, ["dataset.clients_per_domain=1",
+                                                  "strategy.coeff_epochs=1", "strategy.basis_epochs=1",
+                                                  *overrides])
+
+
 def _cfg(*overrides: str):
-    return compose_config({"strategy": "fedbasis"}, ["dataset.clients_per_domain=1",
-                                                     "strategy.coeff_epochs=1", "strategy.basis_epochs=1",
-                                                     *overrides])
+    return _run(*overrides).cfg
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,8 @@ def data():
     return load_federated_data(_cfg().dataset, 0)
 
 
-def _rnd(cfg, data, cid="0", server_round=1) -> ClientRound:
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _rnd(run: ComposedRun, data, cid="0", server_round=1) -> ClientRound:
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"), server_round=server_round)
 
 
@@ -139,9 +143,9 @@ def test_bn_statistics_move_by_the_same_change_in_every_basis() -> None:
 
 # ---------------------------------------------------------------- coordinate descent
 def _round(data, *overrides: str) -> tuple[FedBasisTrainer, LocalRound, dict[str, np.ndarray]]:
-    cfg = _cfg(*overrides)
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data)
+    run = _run(*overrides)
+    trainer = FedBasisTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data)
     payload = _payload(trainer.new_model(rnd))
     work = LocalRound(rnd, payload, {}, {})
     work.model = trainer.start_model(work)
@@ -206,9 +210,9 @@ def test_a_warm_up_that_seeds_the_bases_from_client_models_refuses_privacy(priva
 
 
 def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:
-    cfg = _cfg()
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data, server_round=3)
+    run = _run()
+    trainer = FedBasisTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data, server_round=3)
     payload = _payload(trainer.new_model(rnd))
     state = {MODEL_PREFIX + COEFF_KEY: np.full((4, 4), 7.0, np.float32)}
     model = trainer.start_model(LocalRound(rnd, payload, state, {}))
@@ -218,9 +222,9 @@ def test_logits_start_uniform_every_round_not_from_the_state(data) -> None:
 
 
 def test_warm_up_round_trains_one_plain_model(data) -> None:
-    cfg = _cfg()
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data)
+    run = _run()
+    trainer = FedBasisTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data)
     plain = trainer.new_model(rnd).template
     payload = {MAJOR_PREFIX + k: v for k, v in get_arrays(plain).items()}
     result = trainer.fit(rnd, payload, {})
@@ -232,9 +236,9 @@ def test_warm_up_round_trains_one_plain_model(data) -> None:
 # ---------------------------------------------------------------- new clients
 @pytest.mark.parametrize("head", [True, False])
 def test_new_client_personalisation_changes_only_its_logits_and_classifier(data, head: bool) -> None:
-    cfg = _cfg(f"strategy.personalize_head={str(head).lower()}")
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data, cid="new-0")
+    run = _run(f"strategy.personalize_head={str(head).lower()}")
+    trainer = FedBasisTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data, cid="new-0")
     payload = _payload(trainer.new_model(rnd))
     model, trainable = trainer.new_client_model(rnd, payload, "basis")
     opt = OptimConfig(lr=0.05, batch_size=16, momentum=0.9)
@@ -261,10 +265,10 @@ def test_the_lr_sweep_moves_the_coefficients_lr_like_the_classifiers(data, monke
     swept x coeff_lr / train.lr (the training ratio), the classifier at the swept lr itself."""
     import client.finetune as ct  # the personalisation curve makes its optimiser there
 
-    cfg = _cfg("strategy.coeff_lr=1.0", "train.lr=0.05")
-    trainer = FedBasisTrainer(cfg, run_settings(cfg))
+    run = _run("strategy.coeff_lr=1.0", "train.lr=0.05")
+    trainer = FedBasisTrainer(run.cfg, run.settings)
     assert trainer.new_client_lr_scales() == {COEFF_KEY: pytest.approx(20.0)}
-    rnd = _rnd(cfg, data, cid="new-0")
+    rnd = _rnd(run, data, cid="new-0")
     model, trainable = trainer.new_client_model(rnd, _payload(trainer.new_model(rnd)), "basis")
     seen = []
     real = ct.make_optimizer

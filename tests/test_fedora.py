@@ -22,7 +22,7 @@ import strategies.fedora_math as fm
 from client.fedora import BASIS_STATE, FEDORATrainer
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX
-from common.config import compose_config, run_settings
+from common.config import ComposedRun, compose_config, compose_run
 from learning.datasets.config import num_clients
 from learning.datasets.federated import build_federated_data, load_federated_data
 from learning.datasets.sources import DatasetError
@@ -42,16 +42,16 @@ PAPER = [f"strategy.{k}={str(v).lower()}" for k, v in PAPER_FORMS.items()]
 BASE = ["strategy=fedora", "dataset=digits-rotated", "model=mlp", *PAPER]
 
 
-def _cfg(*extra: str, root: Path | None = None):
+def _run(*extra: str, root: Path | None = None) -> ComposedRun:
     ov = [*BASE, "train.local_epochs=1", *extra]
     if root is not None:
         ov += [f"results_root={root}", "run_name=t"]
-    return compose_config({}, ov)
+    return compose_run({}, ov)
 
 
-def _round(cfg, cid: str = "0", server_round: int = 1, need: str = "") -> ClientRound:
-    data = load_federated_data(cfg.dataset, int(cfg.seed))
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _round(run: ComposedRun, cid: str = "0", server_round: int = 1, need: str = "") -> ClientRound:
+    data = load_federated_data(run.cfg.dataset, int(run.cfg.seed))
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=data.input_shape, device=torch.device("cpu"),
                        server_round=server_round, message_config={NEED_BASIS_KEY: need})
 
@@ -93,8 +93,9 @@ def test_issue_api_exposed_in_strategies_fedora():
 @pytest.mark.parametrize("form", ["paper", "code"])
 @pytest.mark.parametrize("propagated_better", [True, False])
 def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_better):
-    cfg = _cfg(f"strategy.lambda_form={form}", "strategy.penalty=loss")   # the penalty inside the loss
-    rnd = _round(cfg)
+    run = _run(f"strategy.lambda_form={form}", "strategy.penalty=loss")   # the penalty inside the loss
+    cfg = run.cfg
+    rnd = _round(run)
     weak, strong = _model(cfg, 1), _model(cfg, 2)
     train_epochs(strong, rnd.data.train, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=5, batch_size=16),
                  torch.device("cpu"), seed=0)
@@ -124,7 +125,7 @@ def test_trainer_lambda_follows_selective_rule(monkeypatch, form, propagated_bet
                     extra_loss=extra_loss, optimizer=optimizer, after_step=after_step, dpsgd=dpsgd)
 
     monkeypatch.setattr(cf, "train_epochs", spy)
-    result = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, payload, state)
+    result = FEDORATrainer(cfg, run.settings).fit(rnd, payload, state)
     lam = result.metrics["lambda"]
     assert lam == pytest.approx(want, rel=1e-5, abs=1e-9)
     assert result.metrics["val_loss_own"] - result.metrics["val_loss_propagated"] == \
@@ -148,13 +149,14 @@ def test_penalty_pulls_towards_propagated_parameters():
     """With a large lambda (eps floor = 50) theta_k ends much closer to theta_hat_k."""
     dist = {}
     for eps in (1e-8, 50.0):
-        cfg = _cfg(f"strategy.eps={eps}", "train.lr=0.005", "train.momentum=0",
+        run = _run(f"strategy.eps={eps}", "train.lr=0.005", "train.momentum=0",
                    "train.local_epochs=3")
-        rnd = _round(cfg)
+        cfg = run.cfg
+        rnd = _round(run)
         own, hat = _model(cfg, 1), _model(cfg, 3)
         state = {MODEL_PREFIX + k: v for k, v in get_arrays(own).items()}
         payload = get_arrays(hat)
-        up = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, payload, state).upload
+        up = FEDORATrainer(cfg, run.settings).fit(rnd, payload, state).upload
         dist[eps] = math.sqrt(sum(float(np.sum((up[k] - payload[k]) ** 2)) for k in payload))
     start = math.sqrt(sum(float(np.sum((get_arrays(_model(cfg, 1))[k] - payload[k]) ** 2))
                           for k in payload))
@@ -163,17 +165,18 @@ def test_penalty_pulls_towards_propagated_parameters():
 
 
 def test_first_round_without_state_starts_from_payload_and_basis_cached():
-    cfg = _cfg()
-    rnd = _round(cfg, "3", need="1,3,5")
+    run = _run()
+    cfg = run.cfg
+    rnd = _round(run, "3", need="1,3,5")
     init = get_arrays(_model(cfg, 0))
-    result = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd, init, {})
+    result = FEDORATrainer(cfg, run.settings).fit(rnd, init, {})
     assert result.metrics["lambda"] == pytest.approx(1e-8)  # theta_k == theta_hat_k
     assert set(result.extra) == {BASIS_RECORD}
     u = result.extra[BASIS_RECORD][BASIS_ARRAY]
     np.testing.assert_array_equal(result.state[BASIS_STATE], u)
     # not asked -> no basis in the reply; the cached basis is reused
-    rnd2 = _round(cfg, "3", server_round=2, need="1,5")
-    result2 = FEDORATrainer(cfg, run_settings(cfg)).fit(rnd2, result.upload, result.state)
+    rnd2 = _round(run, "3", server_round=2, need="1,5")
+    result2 = FEDORATrainer(cfg, run.settings).fit(rnd2, result.upload, result.state)
     assert result2.extra == {}
     np.testing.assert_array_equal(result2.state[BASIS_STATE], u)
 
@@ -371,26 +374,27 @@ def test_bad_options_are_refused():
 def test_in_process_federation_digits_rotated(tmp_path):
     """Real trainers + strategy for 3 rounds (no Flower): graph after round 1, every
     client gets its own theta_hat, lambda is recorded, accuracy improves."""
-    cfg = _cfg(root=tmp_path)
+    run = _run(root=tmp_path)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, 0)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     s = FEDORA(initial_arrays=get_arrays(model), client_ids=data.client_ids,
-               run=RunSettings.from_run_keys(run_settings(cfg).run, 1), method=run_settings(cfg).method, model=model, data=data)
-    trainer = FEDORATrainer(cfg, run_settings(cfg))
+               run=RunSettings.from_run_keys(run.settings.run, 1), method=run.settings.method, model=model, data=data)
+    trainer = FEDORATrainer(cfg, run.settings)
     states: dict[str, dict] = {c: {} for c in data.client_ids}
     accs = []
     for rnd_no in (1, 2, 3):
         need = ",".join(s.missing_bases())
         updates = []
         for cid in data.client_ids:
-            rnd = _round(cfg, cid, rnd_no, need)
+            rnd = _round(run, cid, rnd_no, need)
             res = trainer.fit(rnd, s.payload_for(cid), states[cid])
             states[cid] = res.state
             updates.append(ClientUpdate(cid, int(cid), res.upload, res.num_examples, res.metrics,
                                         res.extra))
         notes = s.aggregate_updates(TrainRound.handed(rnd_no), updates)
         assert s.w is not None
-        accs.append(np.mean([trainer.evaluate(_round(cfg, c, rnd_no), s.payload_for(c),
+        accs.append(np.mean([trainer.evaluate(_round(run, c, rnd_no), s.payload_for(c),
                                               states[c])["accuracy"] for c in data.client_ids]))
         assert set(notes["fedora"]["lambda"]) == set(data.client_ids)
     assert s.w.shape == (12, 12)
@@ -514,9 +518,9 @@ def test_compare_r_acc_and_ptr_against_local(tmp_path):
 def _fit_distance(*overrides: str):
     """One FEDORA client fit from theta_k (seed 1) towards theta_hat_k (seed 3): the result,
     ||theta_k after - theta_hat_k|| and ||theta_k before - theta_hat_k|| (float64)."""
-    cfg = _cfg(*overrides)
-    own, hat = get_arrays(_model(cfg, 1)), get_arrays(_model(cfg, 3))
-    result = FEDORATrainer(cfg, run_settings(cfg)).fit(_round(cfg), hat, {MODEL_PREFIX + k: v for k, v in own.items()})
+    run = _run(*overrides)
+    own, hat = get_arrays(_model(run.cfg, 1)), get_arrays(_model(run.cfg, 3))
+    result = FEDORATrainer(run.cfg, run.settings).fit(_round(run), hat, {MODEL_PREFIX + k: v for k, v in own.items()})
 
     def distance(arrays: dict) -> float:
         return math.sqrt(sum(float(np.sum((arrays[k].astype(np.float64) - hat[k]) ** 2)) for k in hat))
@@ -568,13 +572,13 @@ def test_defaults_are_the_authors_code_forms(tmp_path):
 def test_unit_inputs_reach_the_model_and_the_basis_unchanged():
     """dataset.input_range=unit gives the model images in [0, 1] (the authors' scale); the
     basis (basis_inputs=unit) is then of the same images, not shifted twice."""
-    sym, unit = _cfg(), _cfg("dataset.input_range=unit")
+    sym, unit = _run(), _run("dataset.input_range=unit")
     xs, _ = _stack(_round(sym, cid="1").data.train)
     xu, _ = _stack(_round(unit, cid="1").data.train)
     assert xs.min() < -0.5 and xu.min() >= 0.0 and xu.max() <= 1.0
     np.testing.assert_allclose(xu, xs * 0.5 + 0.5, atol=1e-6)
-    u_sym = FEDORATrainer(sym, run_settings(sym)).basis(_round(sym, cid="1"), {})
-    u_unit = FEDORATrainer(unit, run_settings(unit)).basis(_round(unit, cid="1"), {})
+    u_sym = FEDORATrainer(sym.cfg, sym.settings).basis(_round(sym, cid="1"), {})
+    u_unit = FEDORATrainer(unit.cfg, unit.settings).basis(_round(unit, cid="1"), {})
     np.testing.assert_allclose(np.abs(u_unit), np.abs(u_sym), atol=1e-5)
 
 
@@ -592,12 +596,12 @@ def test_lambda_max_option_is_checked():
 def test_basis_inputs_option(inputs, shift):
     """The basis is the top right singular vector of the training inputs in [0, 1] (the
     code's) or of the model's normalised inputs, computed independently here."""
-    cfg = _cfg(f"strategy.basis_inputs={inputs}")
-    rnd = _round(cfg, cid="1")
+    run = _run(f"strategy.basis_inputs={inputs}")
+    rnd = _round(run, cid="1")
     x, _ = _stack(rnd.data.train)
     if shift:
         x = x * 0.5 + 0.5
-    u = FEDORATrainer(cfg, run_settings(cfg)).basis(rnd, {})[:, 0]
+    u = FEDORATrainer(run.cfg, run.settings).basis(rnd, {})[:, 0]
     v = np.linalg.svd(x, full_matrices=False)[2][0]
     assert abs(float(u @ v)) == pytest.approx(1.0, abs=1e-5)
 
@@ -646,17 +650,17 @@ def test_decoupled_pull_uses_the_weights_before_each_step_as_the_authors_code():
 def test_code_form_validation_loss_is_the_sum_of_batch_means():
     """lambda_form=code sums the per-batch mean losses over the validation split in batches of
     train.batch_size, as the authors' get_loss; the paper form takes the mean over samples."""
-    code = _cfg("strategy.lambda_form=code", "train.batch_size=8")
-    paper = _cfg("train.batch_size=8")
+    code = _run("strategy.lambda_form=code", "train.batch_size=8")
+    paper = _run("train.batch_size=8")
     rnd = _round(code, cid="1")
-    model = _model(code, 3)
+    model = _model(code.cfg, 3)
     x, y = _stack(rnd.data.val)
     logits = model(torch.as_tensor(x, dtype=torch.float32)).detach().double()
     per_sample = torch.nn.functional.cross_entropy(logits, torch.as_tensor(y), reduction="none")
     sums = sum(float(per_sample[i:i + 8].mean()) for i in range(0, len(y), 8))
     assert len(y) > 8
-    assert FEDORATrainer(code, run_settings(code)).validation_loss(rnd, model) == pytest.approx(sums, rel=1e-5)
-    assert FEDORATrainer(paper, run_settings(paper)).validation_loss(_round(paper, cid="1"), model) == \
+    assert FEDORATrainer(code.cfg, code.settings).validation_loss(rnd, model) == pytest.approx(sums, rel=1e-5)
+    assert FEDORATrainer(paper.cfg, paper.settings).validation_loss(_round(paper, cid="1"), model) == \
         pytest.approx(float(per_sample.mean()), rel=1e-5)
 
 
@@ -677,25 +681,25 @@ def test_lambda_bn_own_takes_both_validation_losses_with_recomputed_statistics()
 
     from learning.training import recompute_bn_statistics
 
-    stored_cfg = _cfg("model=cnn", "strategy.lambda_form=paper")
-    rnd = _round(stored_cfg)
-    hat = _model(stored_cfg, 2)
+    stored = _run("model=cnn", "strategy.lambda_form=paper")
+    rnd = _round(stored)
+    hat = _model(stored.cfg, 2)
     train_epochs(hat, rnd.data.train, OptimConfig(lr=0.05, momentum=0.9, weight_decay=5e-4, epochs=3, batch_size=16),
                  torch.device("cpu"), seed=0)
     own = copy.deepcopy(hat)
     for module in own.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             module.running_mean += 3.0                  # the same weights, statistics that do not fit them
-    lam, own_loss, hat_loss = FEDORATrainer(stored_cfg, run_settings(stored_cfg)).selective_weight(rnd, own, hat)
+    lam, own_loss, hat_loss = FEDORATrainer(stored.cfg, stored.settings).selective_weight(rnd, own, hat)
     assert own_loss > hat_loss + 0.5 and lam == pytest.approx(own_loss - hat_loss)
 
-    own_cfg = _cfg("model=cnn", "strategy.lambda_form=paper", "strategy.lambda_bn=own")
+    own_run = _run("model=cnn", "strategy.lambda_form=paper", "strategy.lambda_bn=own")
     shifted = {k: v.clone() for k, v in own.state_dict().items()}
-    lam, own_loss, hat_loss = FEDORATrainer(own_cfg, run_settings(own_cfg)).selective_weight(_round(own_cfg), own, hat)
+    lam, own_loss, hat_loss = FEDORATrainer(own_run.cfg, own_run.settings).selective_weight(_round(own_run), own, hat)
     assert all(torch.equal(v, own.state_dict()[k]) for k, v in shifted.items())   # recomputed on copies
-    recomputed = recompute_bn_statistics(copy.deepcopy(hat), rnd.data.train, int(own_cfg.train.batch_size),
+    recomputed = recompute_bn_statistics(copy.deepcopy(hat), rnd.data.train, int(own_run.cfg.train.batch_size),
                                          torch.device("cpu"))
     assert own_loss == pytest.approx(hat_loss) == pytest.approx(_val_loss(recomputed, rnd.data.val), rel=1e-5)
     assert lam == pytest.approx(1e-8)                   # the paper form's eps: no pull
     with pytest.raises(ValueError, match="lambda_bn"):
-        _cfg("strategy.lambda_bn=recompute")
+        _run("strategy.lambda_bn=recompute")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import pflower
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_run
 from ops.resources import ACTORS_PER_GPU, gpu_share, resolve_gpu_share
 
 
@@ -29,12 +29,12 @@ def _pretend_gpus(monkeypatch, n: int) -> None:
 
 
 def test_cuda_machine_gives_clients_a_share_unless_told(monkeypatch):
-    cfg = run_settings(compose_config({}, [])).run.device
+    cfg = compose_run({}, []).settings.run.device
     _pretend_gpus(monkeypatch, 1)
     assert resolve_gpu_share(cfg, 8, None, 1.0) > 0
     assert resolve_gpu_share(cfg, 8, 0.0, 1.0) == 0.0        # --num-gpus 0: CPU on purpose
     assert resolve_gpu_share(cfg, 8, 0.5, 1.0) == 0.5
-    cuda = run_settings(compose_config({}, ["device=cuda"])).run.device
+    cuda = compose_run({}, ["device=cuda"]).settings.run.device
     with pytest.raises(ConfigError, match="--num-gpus 0"):
         resolve_gpu_share(cuda, 8, 0.0, 1.0)
     _pretend_gpus(monkeypatch, 0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, pflower, pflower_popen
 
-from common.config import ConfigError, compose_config, run_settings
+from common.config import ConfigError, compose_config, compose_run
 from common.overrides import split_overrides
 from ops.deployment.launch import cmdline, kill_tree, process_tree
 from ops.recovery import RESUMABLE_KEYS, death_reason, expand_resume
@@ -103,8 +103,8 @@ def test_pflower_deploy_resume_takes_the_folders_configuration_too(tmp_path: Pat
 def test_recoveries_are_logged_and_counted_in_the_summary(tmp_path: Path) -> None:
     from server.results import RunRecorder
 
-    cfg = compose_config({"results-root": str(tmp_path), "run-name": "r"}, ["rounds=1"])
-    recorder = RunRecorder(cfg, run_settings(cfg))
+    run = compose_run({"results-root": str(tmp_path), "run-name": "r"}, ["rounds=1"])
+    recorder = RunRecorder(run.cfg, run.settings)
     recorder.log_round({"round": 1, "evaluate": {"accuracy_mean": 0.5, "accuracy_min": 0.5, "accuracy_std": 0.0},
                         "clients": {"0": {"accuracy": 0.5}}})
     clean = recorder.finish({"0": {"num_train": 1}})

@@ -130,7 +130,7 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
 
     from bench.message_parts import PART_ORDER
     from client import app as client_app
-    from common.config import compose_config, run_settings
+    from common.config import compose_run
     from learning.datasets.federated import load_federated_data
     from server.app import build_strategy
     from server.loop import run_federation
@@ -140,7 +140,8 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
     monkeypatch.setenv("PFLOWER_TIMING", str(folder))
     run_config = {"strategy": "fedavg", "rounds": "2", "results-root": str(tmp_path), "run-name": "timed",
                   "overrides": "dataset.clients_per_domain=1 fraction_train=1.0"}
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     contexts = {cid: Context(run_id=1, node_id=int(cid) + 1,
                              node_config={"partition-id": int(cid), "num-partitions": len(data.client_ids)},
@@ -150,8 +151,8 @@ def test_the_real_clientapp_times_every_part_of_a_training_message(tmp_path: Pat
         call = client_app.train if msg.metadata.message_type == MessageType.TRAIN else client_app.evaluate
         return client_app.timing_mod(msg, contexts[cid], call)
 
-    run_federation(build_strategy(cfg, data), FakeGrid(data.client_ids, handler), run_settings(cfg),
-                   RunRecorder(cfg, run_settings(cfg), resume=False))
+    run_federation(build_strategy(cfg, data), FakeGrid(data.client_ids, handler), run.settings,
+                   RunRecorder(cfg, run.settings, resume=False))
     lines = read_lines(folder)
     second = [x for x in lines if x["type"] == "train" and x["server_round"] == 2]
     assert sorted(x["client_id"] for x in second) == sorted(data.client_ids)

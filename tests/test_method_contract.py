@@ -36,7 +36,7 @@ from helpers import PRIVATE_FORM, FakeGrid
 
 from client import app as client_app
 from client.secure_aggregation import stage_of
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from common.methods import method, method_names, resolve_method, roles_of
 from common.protocol import ARRAYS_KEY, from_record
 from common.roles import FROZEN, UPLOADED, keys_with
@@ -108,15 +108,16 @@ def _federate(run_config: dict[str, Any], run_id: int,
               before: dict[str, Any] | None = None) -> tuple[Any, Clients, Any]:
     """Run the federation; ``before`` (when given) receives a copy of the strategy's
     attributes as built, before any round."""
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
     if before is not None:
         before.update({k: copy.deepcopy(v) for k, v in vars(strategy).items() if k not in ("data", "model")})
     clients = Clients(run_config, data.client_ids, run_id)
-    run_federation(strategy, FakeGrid(data.client_ids, clients), run_settings(cfg),
-                   RunRecorder(cfg, run_settings(cfg), resume=bool(cfg.resume)))
-    return strategy, clients, cfg
+    run_federation(strategy, FakeGrid(data.client_ids, clients), run.settings,
+                   RunRecorder(cfg, run.settings, resume=bool(cfg.resume)))
+    return strategy, clients, run
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -146,7 +147,8 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path, monkeypatc
     one = _run_config(name, extra, tmp_path, "restarted", rounds=1)
     true_uploads = _record_true_uploads(monkeypatch)   # under secure aggregation: what was masked
     before: dict[str, Any] = {}
-    strategy, clients, cfg = _federate(one, run_id=1, before=before)
+    strategy, clients, composed = _federate(one, run_id=1, before=before)
+    cfg = composed.cfg
     initial = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))
     roles = roles_of(resolve_method(cfg.strategy).row, strategy.model)
     assert set(roles) == set(strategy.model.state_dict())
@@ -189,7 +191,7 @@ def test_method_contract(name: str, extra: list[str], tmp_path: Path, monkeypatc
 
     # ---- 2. checkpoint round trip
     run_dir = tmp_path / "restarted"
-    last, groups, meta = load_checkpoint(run_dir, checkpoint_identity(run_settings(cfg), len(strategy.client_ids)))
+    last, groups, meta = load_checkpoint(run_dir, checkpoint_identity(composed.settings, len(strategy.client_ids)))
     assert last == 1
     groups.pop("_rng", None)
     restored = build_strategy(cfg, load_federated_data(cfg.dataset, int(cfg.seed)))

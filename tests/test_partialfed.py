@@ -20,7 +20,7 @@ from client.partialfed import (
 )
 from client.round import ClientRound
 from client.trainer import MODEL_PREFIX, LocalRound
-from common.config import compose_config, run_settings
+from common.config import ComposedRun, compose_run
 from learning.datasets.federated import load_federated_data
 from learning.models import build_model
 from learning.params import get_arrays
@@ -71,8 +71,12 @@ RESNET_EXPECTED = {
 }
 
 
+def _run(strategy: str, *overrides: str) -> ComposedRun:
+    return compose_run({"strategy": strategy}, ["dataset.clients_per_domain=1", *overrides])
+
+
 def _cfg(strategy: str, *overrides: str):
-    return compose_config({"strategy": strategy}, ["dataset.clients_per_domain=1", *overrides])
+    return _run(strategy, *overrides).cfg
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +84,8 @@ def data():
     return load_federated_data(_cfg("partialfed-fix").dataset, 0)
 
 
-def _rnd(cfg, data, cid="0", server_round=1, input_shape=None) -> ClientRound:
-    return ClientRound(settings=run_settings(cfg), client_id=cid, data=data.client(cid), num_classes=data.num_classes,
+def _rnd(run: ComposedRun, data, cid="0", server_round=1, input_shape=None) -> ClientRound:
+    return ClientRound(settings=run.settings, client_id=cid, data=data.client(cid), num_classes=data.num_classes,
                        input_shape=input_shape or data.input_shape, device=torch.device("cpu"),
                        server_round=server_round)
 
@@ -102,30 +106,30 @@ def _from_global(trainer, rnd) -> set[str]:
 
 @pytest.mark.parametrize("rule", FIX_RULES)
 def test_fix_rule_loads_exactly_the_listed_keys_on_the_small_cnn(rule, data):
-    cfg = _cfg("partialfed-fix", f"strategy.rule={rule}")
-    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
+    run = _run("partialfed-fix", f"strategy.rule={rule}")
+    trainer = PartialFedFixTrainer(run.cfg, run.settings)
     expected = CNN_EXPECTED[rule]
     if expected is None:
         with pytest.raises(ValueError, match="lacks"):
-            _from_global(trainer, _rnd(cfg, data))
+            _from_global(trainer, _rnd(run, data))
         return
-    assert _from_global(trainer, _rnd(cfg, data)) == set(expected)
+    assert _from_global(trainer, _rnd(run, data)) == set(expected)
 
 
 @pytest.mark.parametrize("rule", sorted(RESNET_EXPECTED))
 def test_fix_rule_on_resnet18_blocks_and_stages(rule, data):
-    cfg = _cfg("partialfed-fix", f"strategy.rule={rule}", "model=resnet18")
-    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data, input_shape=(3, 16, 16))
+    run = _run("partialfed-fix", f"strategy.rule={rule}", "model=resnet18")
+    trainer = PartialFedFixTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data, input_shape=(3, 16, 16))
     keys = trainer.new_model(rnd).state_dict().keys()
     expected = {k for k in keys if k.startswith(tuple(RESNET_EXPECTED[rule]))}
     assert _from_global(trainer, rnd) == expected
 
 
 def test_fix_first_round_without_state_starts_from_the_payload(data):
-    cfg = _cfg("partialfed-fix", "strategy.rule=no-bn-fc")
-    trainer = PartialFedFixTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data)
+    run = _run("partialfed-fix", "strategy.rule=no-bn-fc")
+    trainer = PartialFedFixTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data)
     model = trainer.start_model(LocalRound(rnd, _marked(trainer.new_model(rnd), 1), {}, {}))
     assert all(np.all(v == 1) for v in get_arrays(model).values())
 
@@ -275,15 +279,15 @@ def test_anneal_and_merge_against_slow_computations():
 
 
 def test_adaptive_round_keeps_logits_and_reports_gates(data):
-    cfg = _cfg("partialfed-adaptive", "strategy.gate_lr=1.0", "rounds=3")
-    trainer = PartialFedAdaptiveTrainer(cfg, run_settings(cfg))
-    rnd = _rnd(cfg, data, server_round=1)
+    run = _run("partialfed-adaptive", "strategy.gate_lr=1.0", "rounds=3")
+    trainer = PartialFedAdaptiveTrainer(run.cfg, run.settings)
+    rnd = _rnd(run, data, server_round=1)
     payload = get_arrays(trainer.new_model(rnd))
     first = trainer.fit(rnd, payload, {})
     assert first.state[LOGITS_STATE].shape == (4, 2)
     assert set(k for k in first.metrics if k.startswith("p_global/")) == {f"p_global/{u}" for u in ("s1", "s2", "s3", "fc")}
     assert first.metrics["tau"] == pytest.approx(5.0)
-    second = trainer.fit(_rnd(cfg, data, server_round=2), first.upload, first.state)
+    second = trainer.fit(_rnd(run, data, server_round=2), first.upload, first.state)
     # round 2 starts from round 1's logits (the probabilities continue, not reset to 0.5)
     p1 = torch.softmax(torch.tensor(first.state[LOGITS_STATE]), -1)[:, 1]
     assert not torch.allclose(p1, torch.full((4,), 0.5))

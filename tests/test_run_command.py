@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 from PIL import Image
 
-from common.config import compose_config, run_settings
+from common.config import compose_config, compose_run
 from ops.styled_digits import make_styled_digits
 from server.plots import accuracy_lines
 from server.results import RunRecorder
@@ -57,15 +56,10 @@ def test_default_run_name_includes_the_experiment_and_what_else_differs() -> Non
     assert len({base, *keys}) == 4 and all(k.startswith(base + "-") for k in keys)
 
 
-def _cfg(tmp_path: Path, **extra: object):
-    cfg = compose_config({"results-root": str(tmp_path), "run-name": "r"})
-    cfg = OmegaConf.merge(cfg, OmegaConf.create(extra)) if extra else cfg
-    return cfg
-
-
-def _recorder(tmp_path: Path, resume: bool = False, **extra: object) -> RunRecorder:
-    cfg = _cfg(tmp_path, **extra)
-    return RunRecorder(cfg, run_settings(cfg), resume=resume)
+def _recorder(tmp_path: Path, resume: bool = False, overwrite: bool = False) -> RunRecorder:
+    # overwrite changes neither the run's name nor its folder (run-name "r" in tmp_path)
+    run = compose_run({"results-root": str(tmp_path), "run-name": "r"}, ["overwrite=true"] if overwrite else [])
+    return RunRecorder(run.cfg, run.settings, resume=resume)
 
 
 def test_an_existing_run_folder_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
@@ -115,10 +109,10 @@ def test_running_a_finished_configuration_again_says_where_its_result_is(tmp_pat
         assert f"{run} already holds this run, finished (completed): accuracy mean 0.9123 min 0.8000" in out
         assert f"-> {run / 'summary.json'}; nothing started" in out and "SuperLink" not in out
     from server.run_folder import finished_summary
-    assert finished_summary(run, run_settings(compose_config({"rounds": "20"})).run) is not None
-    assert finished_summary(run, run_settings(compose_config({}, ["rounds=20", "overwrite=true"])).run) is None
+    assert finished_summary(run, compose_run({"rounds": "20"}).settings.run) is not None
+    assert finished_summary(run, compose_run({}, ["rounds=20", "overwrite=true"]).settings.run) is None
     (run / "summary.json").write_text(json.dumps({"rounds": 10, "accuracy_mean": 0.5, "accuracy_min": 0.5}))
-    assert finished_summary(run, run_settings(compose_config({"rounds": "20"})).run) is None
+    assert finished_summary(run, compose_run({"rounds": "20"}).settings.run) is None
 
 
 # ---------------------------------------------------------------- lost clients
@@ -131,17 +125,17 @@ def _round(rnd: int, clients: dict[str, float], **extra: object) -> dict:
 
 
 def test_a_summary_over_fewer_clients_says_which_are_missing_and_why() -> None:
-    cfg = compose_config({})
+    run = compose_run({})
     info = {str(i): {"num_train": 10} for i in range(4)}
     rounds = [_round(1, {"0": 0.5, "1": 0.6, "2": 0.7, "3": 0.8}),
               _round(2, {"0": 0.5, "1": 0.6, "2": 0.7}, failed={"3": "client error: state is corrupted"},
                      eval_failed={"3": "client error: state is corrupted"})]
-    s = build_summary(run_settings(cfg), rounds, info, "completed")
+    s = build_summary(run.settings, rounds, info, "completed")
     assert s["status"] == "partial"
     assert (s["clients_expected"], s["clients_reported"]) == (4, 3)
     assert s["clients_missing"] == {"3": "final evaluation: client error: state is corrupted"}
     assert s["client_failures"] == {"3": 1}
-    full = build_summary(run_settings(cfg), rounds[:1], info, "completed")
+    full = build_summary(run.settings, rounds[:1], info, "completed")
     assert full["status"] == "completed" and full["clients_missing"] == {}
 
 
@@ -446,12 +440,12 @@ def test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation(
 
 
 def test_summary_reports_the_pooled_all_accuracy_beside_the_mean() -> None:
-    cfg = compose_config({})
+    run = compose_run({})
     info = {str(i): {"num_train": 10} for i in range(3)}
     rnd = _round(1, {"0": 1.0, "1": 0.5, "2": 0.0})
     for cid, n in (("0", 10), ("1", 30), ("2", 60)):
         rnd["clients"][cid]["num-examples"] = float(n)
-    s = build_summary(run_settings(cfg), [rnd], info, "completed")
+    s = build_summary(run.settings, [rnd], info, "completed")
     # (1.0 * 10 + 0.5 * 30 + 0 * 60) / 100 = 0.25, while the mean over clients is 0.5
     assert s["accuracy_all"] == pytest.approx(0.25) and s["accuracy_mean"] == pytest.approx(0.5)
 

@@ -22,7 +22,7 @@ from helpers import PRIVATE_FORM, FakeGrid
 from client import app as client_app
 from client import secure_aggregation as client_secagg
 from client.secure_aggregation import stage_of
-from common.config import ConfigError, compose_config, run_settings, validate_config
+from common.config import ConfigError, compose_config, compose_run, validate_config
 from common.methods import method, method_names, resolve_method
 from common.secure_aggregation import (
     COLLECT,
@@ -193,11 +193,12 @@ class Clients:
 
 def _federate(run_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
               drop: set[tuple[int, str, str]] = frozenset()) -> tuple[Any, Clients]:  # type: ignore[assignment]
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
     clients = Clients(run_config, data.client_ids, monkeypatch, drop)
-    run_federation(strategy, FakeGrid(data.client_ids, clients), run_settings(cfg), RunRecorder(cfg, run_settings(cfg), resume=bool(cfg.resume)))
+    run_federation(strategy, FakeGrid(data.client_ids, clients), run.settings, RunRecorder(cfg, run.settings, resume=bool(cfg.resume)))
     return strategy, clients
 
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import FakeGrid
 from test_method_contract import Clients, _federate, _records, _run_config
 
-from common.config import compose_config, run_settings
+from common.config import compose_run
 from learning.datasets.federated import load_federated_data
 from ops.progress import PhaseProgress, RunProgress, progress_wanted, rounds_seen
 from server.app import build_strategy, client_info
@@ -66,11 +66,12 @@ def test_round_scalars_name_every_number_of_a_round_record() -> None:
 def test_a_run_writes_event_files_holding_its_metrics(tmp_path: Path) -> None:
     """PartialFed-Adaptive: its gate probabilities are method diagnostics among the tags."""
     run_config = _run_config("partialfed-adaptive", [], tmp_path, "tb", rounds=3)
-    cfg = compose_config(run_config)
+    run = compose_run(run_config)
+    cfg = run.cfg
     data = load_federated_data(cfg.dataset, int(cfg.seed))
     strategy = build_strategy(cfg, data)
-    recorder = RunRecorder(cfg, run_settings(cfg))
-    run_federation(strategy, FakeGrid(data.client_ids, Clients(run_config, data.client_ids, 1)), run_settings(cfg), recorder)
+    recorder = RunRecorder(cfg, run.settings)
+    run_federation(strategy, FakeGrid(data.client_ids, Clients(run_config, data.client_ids, 1)), run.settings, recorder)
     recorder.finish(client_info(data), strategy.summary_extras())
     recorder.close()
     rounds = _records(tmp_path / "tb")
