@@ -121,42 +121,18 @@ class Attempt:
     evidence: Path | None = None
 
 
-class SimulationWatch:
-    """Whether a simulation's processes are still there, asked once a second while
-    ``flwr run --stream`` waits: False once the SuperLink has exited, or once the
-    ``flwr-simulation`` process (seen before) has been gone for ``grace_s`` (a run that
-    completes ends its stream within a second of its simulation exiting)."""
-
-    def __init__(self, link: object, grace_s: float = 20.0) -> None:
-        self.link, self.grace_s = link, grace_s
-        self.seen, self.gone_since, self.reason = False, None, ""
-        self.pid: int | None = None   # the simulation's, once found: then one /proc read a call
-
-    def __call__(self) -> bool:
-        from ops.deployment.launch import cmdline, pid_alive, process_tree
-
-        proc = getattr(self.link, "proc", None)
-        if proc is None or proc.poll() is not None:
-            self.reason = "the SuperLink exited"
-            return False
-        if self.pid is None or not pid_alive(self.pid) or "flwr-simulation" not in cmdline(self.pid):
-            self.pid = next((p for p in process_tree(proc.pid)[1:] if "flwr-simulation" in cmdline(p)), None)
-        if self.pid is not None:
-            self.seen, self.gone_since = True, None
-            return True
-        if self.seen:
-            self.gone_since = self.gone_since or time.monotonic()
-            if time.monotonic() - self.gone_since > self.grace_s:
-                self.reason = f"the simulation process exited and the run had not ended {self.grace_s:.0f} s later"
-                return False
-        return True
-
-
 def run_once(composed: ComposedRun, run_cfg: dict[str, str], rest: list[str], federation: str,
              keep: Path | None, attempt: int) -> Attempt:
     """Submit the run once on a private SuperLink; on any failure keep what explains it (the
     SuperLink's log and database, the run's status and stored log) in ``<run>/failures``."""
-    from ops.deployment.launch import APP_DIR, flwr_run, run_info, run_log, simulation_superlink
+    from ops.deployment.launch import (
+        APP_DIR,
+        AppWatch,
+        flwr_run,
+        run_info,
+        run_log,
+        simulation_superlink,
+    )
     from ops.progress import RUN_LOG, RunOutput, run_progress
     from ops.recovery import death_reason, keep_evidence
     from server.loop import SimulationWorkerLost
@@ -168,7 +144,7 @@ def run_once(composed: ComposedRun, run_cfg: dict[str, str], rest: list[str], fe
         with simulation_superlink(keep_in=keep) as (link, flwr_home):
             print(f"pflower: private SuperLink {link.control_address} (work dir {link.workdir})", flush=True)
             write_pid_file(run_dir, link)
-            watch = SimulationWatch(link)
+            watch = AppWatch(link, "flwr-simulation")
             with run_progress(run_dir, run.rounds, f"{composed.settings.strategy} {run.run_name}") as bar, \
                     RunOutput(run_dir / RUN_LOG, bar, append=attempt > 1 or bool(run.resume)) as output:
                 code = flwr_run(APP_DIR, flwr_home, to_toml_run_config(run_cfg, rest), federation, alive=watch,

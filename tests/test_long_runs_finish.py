@@ -140,14 +140,14 @@ def test_task_heartbeat_timeout_is_lengthened_and_node_liveness_is_not() -> None
 def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from ops.running import SimulationWatch
+    from ops.deployment.launch import AppWatch
 
     script = tmp_path / "flwr-simulation"
     script.write_text("#!/bin/sh\nsleep 1\n")
     script.chmod(0o755)
     link = subprocess.Popen(["/bin/sh", "-c", f"{script}; sleep 60"], start_new_session=True)
     try:
-        watch = SimulationWatch(SimpleNamespace(proc=link), grace_s=0.5)
+        watch = AppWatch(SimpleNamespace(proc=link), "flwr-simulation", grace_s=0.5)
         deadline = time.monotonic() + 10
         while not watch.seen and time.monotonic() < deadline:
             assert watch()
@@ -159,7 +159,7 @@ def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -
     finally:
         kill_tree(link.pid)
         link.wait()
-    gone = SimulationWatch(SimpleNamespace(proc=link))
+    gone = AppWatch(SimpleNamespace(proc=link), "flwr-simulation")
     assert not gone() and gone.reason == "the SuperLink exited"
 
 
@@ -307,12 +307,15 @@ def test_a_simulation_paused_longer_than_flowers_heartbeat_timeout_completes(tmp
 
 
 @pytest.mark.e2e
-def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["superlink", "serverapp"])
+def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path: Path, target: str) -> None:
     """``pflower deploy`` (insecure, 3 SuperNodes), two runs of the same configuration on one
-    deployment: ``ref`` uninterrupted, then ``killed``, whose SuperLink is SIGKILLed after
-    its round 2. The SuperLink is started again on its database and ports, the SuperNodes
-    reconnect with their client state, the run resumes from its checkpoint and ends bit
-    for bit where ``ref`` ended."""
+    deployment: ``ref`` uninterrupted, then ``killed``, whose SuperLink (or the run's ServerApp)
+    is SIGKILLed after its round 2. The SuperLink is started again on its database and ports,
+    the SuperNodes reconnect with their client state, the run resumes from its checkpoint and
+    ends bit for bit where ``ref`` ended. A ServerApp killed is noticed 20 s later (the
+    SuperLink would wait 10 minutes for its heartbeats): its run is stopped on the live
+    SuperLink and resumed the same way."""
     import threading
 
     work, results = tmp_path / "work", tmp_path / "results"
@@ -328,6 +331,8 @@ def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path
             time.sleep(0.1)
         pids = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
         links = [p for p in pids if "ops.node.superlink" in cmdline(p) and str(work) in cmdline(p)]
+        if target == "serverapp":
+            links = [p for link in links for p in process_tree(link) if "flwr-serverapp" in cmdline(p)]
         for pid in links:
             os.kill(pid, signal.SIGKILL)
             killed["pid"] = pid
@@ -340,12 +345,17 @@ def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "pid" in killed, "the SuperLink was never killed"
-    assert "the SuperLink exited during the run" in text and "starting it again on its database" in text
-    # the interrupted run, still "running" in the database, was stopped before the resume
-    assert "stopped the runs the restarted SuperLink still counted as running" in text
+    if target == "superlink":
+        assert "the SuperLink exited during the run" in text and "starting it again on its database" in text
+        # the interrupted run, still "running" in the database, was stopped before the resume
+        assert "stopped the runs the restarted SuperLink still counted as running" in text
+    else:
+        assert "the ServerApp process exited and the run had not ended 20 s later; stopping that run" in text
+        assert "starting it again" not in text
     assert text.count("pflower deploy: done") == 2
     recoveries = read_recoveries(results / "killed")
     assert len(recoveries) == 1 and recoveries[0]["after_round"] >= 2
+    assert ("ServerApp process exited" if target == "serverapp" else "SuperLink exited") in recoveries[0]["reason"]
     summary = json.loads((results / "killed" / "summary.json").read_text())
     assert summary["status"] == "completed-recovered"
     assert [r["round"] for r in _rounds(results / "killed")] == [1, 2, 3, 4]

@@ -58,14 +58,46 @@ def test_stand_in_hands_the_task_to_the_runner_and_returns_its_exit_code(runner_
     assert not node_runner.ended_dir(address).exists()   # the runner answered: no task to fail
 
 
+def _real_clientapp(folder: Path, body: str) -> Path:
+    """A stand-in for Flower's own flwr-clientapp: prints its arguments and what it read from
+    stdin (the token of ``--token-stdin``), then runs ``body``."""
+    real = folder / "real-flwr-clientapp"
+    real.write_text(f"#!{sys.executable}\nimport os, signal, sys\n"
+                    "stdin = sys.stdin.read() if '--token-stdin' in sys.argv else ''\n"
+                    f"print('REAL', *sys.argv[1:], stdin, flush=True)\n{body}\n")
+    real.chmod(0o755)
+    return real
+
+
 def test_stand_in_runs_flowers_clientapp_when_no_runner_listens(runner_dir: Path, tmp_path: Path) -> None:
     stand_in = node_runner.write_stand_in(runner_dir / "bin")
-    real = tmp_path / "real-flwr-clientapp"
-    real.write_text(f"#!{sys.executable}\nimport sys\nprint('REAL', *sys.argv[1:])\nsys.exit(3)\n")
-    real.chmod(0o755)
-    out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(runner_dir / "runner-gone.sock"),
-                                   node_runner.REAL_CLIENTAPP_ENV: str(real)}, ["--token", "xyz"])
-    assert out.returncode == 3 and out.stdout.strip() == "REAL --token xyz"
+    gone = runner_dir / "runner-gone.sock"
+    real = _real_clientapp(tmp_path, "sys.exit(0)")
+    out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(gone), node_runner.REAL_CLIENTAPP_ENV: str(real)},
+                        ["--token", "xyz"])
+    assert out.returncode == 0 and out.stdout.strip() == "REAL --token xyz"
+    assert not node_runner.ended_dir(gone).exists()      # it finished its task: nothing to fail
+    # Flower's own reads the token from stdin, as the SuperExec gave it
+    out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(gone), node_runner.REAL_CLIENTAPP_ENV: str(real)},
+                        ["--insecure", "--token-stdin"], stdin="t0ken")
+    assert out.returncode == 0 and out.stdout.strip() == "REAL --insecure --token-stdin t0ken"
+    assert not node_runner.ended_dir(gone).exists()
+
+
+@pytest.mark.parametrize(("body", "code"), [("sys.exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", 1)])
+def test_stand_in_leaves_its_token_when_flowers_clientapp_ends_without_finishing(
+        runner_dir: Path, tmp_path: Path, body: str, code: int) -> None:
+    """The fallback killed during its task (or failing) leaves the token, as a dead runner's
+    stand-in does: the keeper fails the task at once (a finished task's token is ignored)."""
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    gone = runner_dir / "runner-gone.sock"
+    token = "beef" * 64
+    out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(gone),
+                                   node_runner.REAL_CLIENTAPP_ENV: str(_real_clientapp(tmp_path, body))},
+                        ["--token-stdin"], stdin=token)
+    assert out.returncode == code, out.stderr
+    assert "flwr-clientapp ended with" in out.stderr
+    assert [p.read_text() for p in node_runner.ended_dir(gone).iterdir()] == [token]
 
 
 def test_stand_in_leaves_its_token_when_the_runner_dies_during_its_task(runner_dir: Path) -> None:

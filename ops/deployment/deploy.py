@@ -41,6 +41,7 @@ from common import flower_compat
 from ops.deployment.launch import (
     APP_DIR,
     FEDERATION,
+    AppWatch,
     LaunchError,
     SuperLink,
     executable,
@@ -216,6 +217,7 @@ class Deployment:
     node_flags: Sequence[str] = ()   # more flags for every SuperNode (e.g. pflower-supernode's --no-runner)
     link: SuperLink | None = None
     nodes: list[SuperNode] = field(default_factory=list)
+    watch: AppWatch | None = None   # the last run's: why its stream was stopped
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -327,11 +329,17 @@ class Deployment:
     def run(self, run_config: str, timeout: float | None = None,
             on_line: Callable[[str], None] | None = None) -> int:
         """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code
-        (:data:`~ops.deployment.launch.EXIT_WORK_GONE` when the SuperLink exited during the run)."""
+        (:data:`~ops.deployment.launch.EXIT_WORK_GONE` when the SuperLink exited during the run,
+        or the run's ServerApp did: ``watch.reason`` says which)."""
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
-        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.link_alive,
+        self.watch = AppWatch(self.link, "flwr-serverapp")
+        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.watch,
                         on_line=on_line)
+
+    def server_app_gone(self) -> bool:
+        """The last run's ServerApp ended before its run did, while the SuperLink lives."""
+        return self.watch is not None and self.watch.app_gone and self.link_alive()
 
     def logs(self, lines: int = 15) -> str:
         parts = []
@@ -484,7 +492,9 @@ def resume_command(run_dir: Path, args: argparse.Namespace) -> str:
 def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
                 args: argparse.Namespace) -> tuple[bool, str]:
     """Submit one run; when the SuperLink exits during it, start the SuperLink again on its
-    database and resume the run from its checkpoint (at most ``--max-recoveries`` times)."""
+    database and resume the run from its checkpoint (at most ``--max-recoveries`` times); when
+    its ServerApp exits (killed, say) before the run ended, stop that run on the SuperLink and
+    resume it the same way."""
     from common.overrides import split_overrides, to_toml_run_config
     from ops.progress import run_progress
     from ops.recovery import expand_resume
@@ -498,19 +508,30 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
         with run_progress(run_dir, rounds, run_dir.name) as bar:
             code = dep.run(run_config, timeout=args.timeout or None, on_line=None if bar is None else bar.print)
         ok, text = run_result(run_dir, started, code)
-        if ok or dep.link_alive():
+        # a ServerApp that said why it failed (FAILED) would only fail again
+        server_app_gone = not ok and dep.server_app_gone() and not text.startswith("run failed")
+        if ok or (dep.link_alive() and not server_app_gone):
             return ok, text
+        what = "its ServerApp" if server_app_gone else "the SuperLink"
         after = checkpoint_round(run_dir)
         if after is None or recoveries >= args.max_recoveries:
-            return False, f"{text}; the SuperLink exited during the run (not recovering: " + (
+            return False, f"{text}; {what} exited during the run (not recovering: " + (
                 "no checkpoint was written)" if after is None else f"--max-recoveries {args.max_recoveries})")
         recoveries += 1
-        reason = f"the SuperLink exited during the run (flwr exit code {code})"
-        print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "
-              f"its checkpoint of round {after} ({recoveries} of at most {args.max_recoveries})",
-              file=sys.stderr, flush=True)
-        record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
-        dep.restart_link()
+        assert dep.link is not None and dep.watch is not None
+        if server_app_gone:
+            reason = dep.watch.reason
+            print(f"pflower deploy: {reason}; stopping that run and resuming {run_dir} from its checkpoint of "
+                  f"round {after} ({recoveries} of at most {args.max_recoveries})", file=sys.stderr, flush=True)
+            record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
+            stop_unfinished_runs(dep.flwr_home)   # else the SuperNodes are handed its messages
+        else:
+            reason = f"the SuperLink exited during the run (flwr exit code {code})"
+            print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "
+                  f"its checkpoint of round {after} ({recoveries} of at most {args.max_recoveries})",
+                  file=sys.stderr, flush=True)
+            record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
+            dep.restart_link()
         run_config = to_toml_run_config(*split_overrides(expand_resume([f"resume={run_dir}"], "pflower deploy")))
 
 
@@ -529,7 +550,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--data-root", default="", help="data-root given to every SuperNode (node-config)")
     d.add_argument("--timeout", type=float, default=0.0, help="seconds per run before giving up (0 = none)")
     d.add_argument("--max-recoveries", type=int, default=3,
-                   help="times a run whose SuperLink exited is resumed on the restarted SuperLink (0 = never)")
+                   help="times a run whose SuperLink or ServerApp exited during it is resumed from its "
+                        "checkpoint (0 = never)")
     d.add_argument("--keep-temp", action="store_true",
                    help="keep the temporary work folder (logs, public certificates; private keys are "
                         "always deleted) as <first run folder>/deploy")

@@ -336,6 +336,44 @@ def write_flwr_config(flwr_home: Path, control_address: str, root_certificates: 
     return path
 
 
+class AppWatch:
+    """Whether a run's processes are still there, asked once a second while ``flwr run
+    --stream`` waits (``flwr_run``'s ``alive``): False once the SuperLink has exited, or once
+    the run's own process, ``app`` (``flwr-simulation`` under ``pflower run``, the
+    ``flwr-serverapp`` of ``pflower deploy``; seen before, in the SuperLink's process tree),
+    has been gone for ``grace_s``. Why: the SuperLink takes a run whose process died for dead
+    only when its heartbeats have been missing for pflower's 10 minutes; a run that completes
+    ends its stream within a second of its process exiting. ``reason`` says which ended."""
+
+    def __init__(self, link: object, app: str, grace_s: float = 20.0) -> None:
+        self.link, self.app, self.grace_s = link, app, grace_s
+        self.seen, self.gone_since, self.reason = False, None, ""
+        self.pid: int | None = None   # the app's, once found: then one /proc read a call
+
+    @property
+    def app_gone(self) -> bool:
+        """The run's own process ended before the run did (the SuperLink lives)."""
+        return bool(self.reason) and self.reason != "the SuperLink exited"
+
+    def __call__(self) -> bool:
+        proc = getattr(self.link, "proc", None)
+        if proc is None or proc.poll() is not None:
+            self.reason = "the SuperLink exited"
+            return False
+        if self.pid is None or not pid_alive(self.pid) or self.app not in cmdline(self.pid):
+            self.pid = next((p for p in process_tree(proc.pid)[1:] if self.app in cmdline(p)), None)
+        if self.pid is not None:
+            self.seen, self.gone_since = True, None
+            return True
+        if self.seen:
+            self.gone_since = self.gone_since or time.monotonic()
+            if time.monotonic() - self.gone_since > self.grace_s:
+                what = {"flwr-simulation": "simulation", "flwr-serverapp": "ServerApp"}.get(self.app, self.app)
+                self.reason = f"the {what} process exited and the run had not ended {self.grace_s:.0f} s later"
+                return False
+        return True
+
+
 EXIT_WORK_GONE = -1000   # flwr_run: ``alive`` said the run's processes are gone
 
 

@@ -75,39 +75,63 @@ CLIENTAPP_REF = "client.app:app"
 
 STAND_IN = '''#!{python} -S
 """pflower-supernode's stand-in for flwr-clientapp: this task goes to the node's runner
-(ops/node/runner.py); Flower's own flwr-clientapp runs it when the runner is not there."""
+(ops/node/runner.py); Flower's own flwr-clientapp runs it when the runner is not there.
+Whichever runs it, a task whose process ends without finishing it (killed, say) leaves its
+token for the SuperNode, which fails the task at once instead of waiting for its heartbeats."""
 import os
+import signal
+import subprocess
 import sys
 from multiprocessing.connection import Client
 
-args = sys.argv[1:]
-if "--token-stdin" in args:
-    args = [a for a in args if a != "--token-stdin"] + ["--token", sys.stdin.read().strip()]
+argv = sys.argv[1:]
+token = sys.stdin.read().strip() if "--token-stdin" in argv else ""
+args = ([a for a in argv if a != "--token-stdin"] + ["--token", token]) if token else argv
+if not token and "--token" in argv[:-1]:
+    token = argv[argv.index("--token") + 1]
 address = os.environ.get("{runner_env}", "")
+
+
+def leave_token():
+    # the SuperNode's keeper fails the task by its token (a token is longer than a file name may
+    # be: it goes in the file, written whole and renamed); a finished task's token is ignored
+    if not (token and address):
+        return
+    ended = os.path.join(address + ".ended", str(os.getpid()))
+    try:
+        os.makedirs(address + ".ended", mode=0o700, exist_ok=True)
+        with open(ended + ".tmp", "w") as f:
+            f.write(token)
+        os.replace(ended + ".tmp", ended)
+    except OSError:
+        pass
+
+
 try:
     with open(os.path.join(os.path.dirname(address), "key"), "rb") as f:
         conn = Client(address, family="AF_UNIX", authkey=f.read())
 except Exception as err:   # no runner (gone, being started again, refusing): Flower's own runs the task
     sys.stderr.write("pflower stand-in: no runner (%r); the task runs in Flower's flwr-clientapp\\n" % (err,))
     real = os.environ["{real_env}"]
-    os.execv(real, [real, *args])
+    child = subprocess.Popen([real, *argv], stdin=subprocess.PIPE if "--token-stdin" in argv else None)
+    for sig in (signal.SIGTERM, signal.SIGINT):   # a stop of the task is the child's
+        signal.signal(sig, lambda number, frame: child.send_signal(number))
+    if child.stdin is not None:
+        child.stdin.write(token.encode())
+        child.stdin.close()
+    code = child.wait()
+    if code != 0:
+        sys.stderr.write("pflower stand-in: Flower's flwr-clientapp ended with %d\\n" % code)
+        leave_token()
+    sys.exit(code if code >= 0 else 1)
 with conn:
     try:
         conn.send_bytes("\\0".join(args).encode())
         code = int(conn.recv_bytes())
-    except Exception as err:   # the runner ended during the task: its SuperNode fails the task now (by its token)
+    except Exception as err:   # the runner ended during the task: its SuperNode fails the task now
         code = 1
         sys.stderr.write("pflower stand-in: the runner ended during the task (%r)\\n" % (err,))
-        token = args[args.index("--token") + 1] if "--token" in args[:-1] else ""
-        if token:   # (a token is longer than a file name may be: it goes in the file)
-            ended = os.path.join(address + ".ended", str(os.getpid()))
-            try:
-                os.makedirs(address + ".ended", mode=0o700, exist_ok=True)
-                with open(ended + ".tmp", "w") as f:
-                    f.write(token)
-                os.replace(ended + ".tmp", ended)
-            except OSError:
-                pass
+        leave_token()
 sys.exit(code)
 '''
 
@@ -362,8 +386,8 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
 class RunnerKeeper(threading.Thread):
     """In the SuperNode's process: starts its runner, starts another when it dies (a task that
     finds no runner meanwhile runs in Flower's own ``flwr-clientapp``), and fails at once each
-    task the runner died with (its token left in :func:`ended_dir` by the task's stand-in;
-    ``flower_compat.fail_task_now``). Without it the SuperNode waits for that task's reply until
+    task whose process ended before the task did, the runner or that ``flwr-clientapp`` (its
+    token left in :func:`ended_dir` by the task's stand-in; ``flower_compat.fail_task_now``). Without it the SuperNode waits for that task's reply until
     its heartbeats have been missing 10 minutes, and pulls no other message meanwhile.
 
     A runner that keeps dying soon after its start (it cannot import its code, say) is started
@@ -426,10 +450,11 @@ class RunnerKeeper(threading.Thread):
                 continue
             try:
                 if fail_task_now(left.read_text().strip()):
-                    log(WARNING, "pflower runner: a ClientApp task ended with the runner; it is failed now "
-                        "(CLIENT_APP_CRASHED), and the server sends its message again")
+                    log(WARNING, "pflower runner: a ClientApp task ended with its process (the runner or "
+                        "Flower's flwr-clientapp); it is failed now (CLIENT_APP_CRASHED), and the server "
+                        "sends its message again")
                 else:
-                    log(INFO, "pflower runner: a ClientApp task ended with the runner had finished already")
+                    log(INFO, "pflower runner: a ClientApp task ended with its process had finished already")
             finally:
                 left.unlink(missing_ok=True)
 
