@@ -44,8 +44,14 @@ def runners_of(owner: int) -> list[psutil.Process]:
 def clientapps_of(owner: int) -> list[psutil.Process]:
     """The ``flwr-clientapp`` processes under SuperNode ``owner``: stand-ins, and Flower's own
     where a stand-in fell back to it (a child of the stand-in)."""
+    def named(proc: psutil.Process) -> bool:
+        try:
+            return "flwr-clientapp" in " ".join(proc.cmdline())
+        except psutil.Error:   # gone, or a zombie not yet reaped
+            return False
+
     try:
-        return [c for c in psutil.Process(owner).children(recursive=True) if "flwr-clientapp" in " ".join(c.cmdline())]
+        return [c for c in psutil.Process(owner).children(recursive=True) if named(c)]
     except psutil.Error:
         return []
 
@@ -83,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--kill-at", default="2,4,5", help="the train messages (counted on SuperNode 1) to kill at")
-    ap.add_argument("--after", type=float, default=0.5, help="seconds after the task reaches the process killed")
+    ap.add_argument("--after", type=float, default=0.5,
+                    help="seconds after the process to kill appears (Flower's flwr-clientapp takes 1-2 s to "
+                         "import before it pulls its task: give the fallback 3 or more)")
     ap.add_argument("--target", choices=("runner", "fallback"), default="runner",
                     help="the runner in the middle of a task, or Flower's flwr-clientapp that runs a task "
                          "while the runner is gone")
     args = ap.parse_args(argv)
     kill_at = {int(k) for k in args.kill_at.split(",")}
+    if args.target == "fallback" and 1 in kill_at:
+        ap.error("--target fallback kills at train messages 2 and later (the runner is hidden after a reply)")
     root = Path(tempfile.mkdtemp(prefix="runner-kill-"))
     results, kills, holder = root / "results", [], {}
     cfg = to_toml_run_config({"experiment": "deploy-3", "strategy": "fedavg", "rounds": str(args.rounds),
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             count, sent = text.count("Receiving: train message"), text.count("Sending: train message")
             if args.target == "fallback" and sent > replied:
                 replied = sent
-                if sent + 1 in kill_at:   # between tasks: the next one finds no runner
+                if sent + 1 in kill_at and socket.exists():   # between tasks: the next one finds no runner
                     socket.rename(hidden)
             if count > seen:
                 seen = count

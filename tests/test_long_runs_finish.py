@@ -308,7 +308,7 @@ def test_a_simulation_paused_longer_than_flowers_heartbeat_timeout_completes(tmp
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("target", ["superlink", "serverapp"])
-def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path: Path, target: str) -> None:
+def test_a_deployment_whose_superlink_or_serverapp_is_killed_resumes(tmp_path: Path, target: str) -> None:
     """``pflower deploy`` (insecure, 3 SuperNodes), two runs of the same configuration on one
     deployment: ``ref`` uninterrupted, then ``killed``, whose SuperLink (or the run's ServerApp)
     is SIGKILLed after its round 2. The SuperLink is started again on its database and ports,
@@ -350,7 +350,7 @@ def test_a_deployment_whose_superlink_is_killed_resumes_on_its_database(tmp_path
         # the interrupted run, still "running" in the database, was stopped before the resume
         assert "stopped the runs the restarted SuperLink still counted as running" in text
     else:
-        assert "the ServerApp process exited and the run had not ended 20 s later; stopping that run" in text
+        assert "the ServerApp process exited and the run had not ended 20 s later; stopped its run on the SuperLink" in text
         assert "starting it again" not in text
     assert text.count("pflower deploy: done") == 2
     recoveries = read_recoveries(results / "killed")

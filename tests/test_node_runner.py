@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -84,20 +85,44 @@ def test_stand_in_runs_flowers_clientapp_when_no_runner_listens(runner_dir: Path
     assert not node_runner.ended_dir(gone).exists()
 
 
-@pytest.mark.parametrize(("body", "code"), [("sys.exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", 1)])
-def test_stand_in_leaves_its_token_when_flowers_clientapp_ends_without_finishing(
-        runner_dir: Path, tmp_path: Path, body: str, code: int) -> None:
-    """The fallback killed during its task (or failing) leaves the token, as a dead runner's
-    stand-in does: the keeper fails the task at once (a finished task's token is ignored)."""
+@pytest.mark.parametrize(("body", "code", "left"), [("os.kill(os.getpid(), signal.SIGKILL)", 137, True),
+                                                     ("sys.exit(3)", 3, False)])
+def test_stand_in_leaves_its_token_when_flowers_clientapp_is_killed(
+        runner_dir: Path, tmp_path: Path, body: str, code: int, left: bool) -> None:
+    """The fallback killed during its task leaves the token, as a dead runner's stand-in does:
+    the keeper fails the task at once (a finished task's token is ignored). One that exits with
+    an error answered its task itself, or failed before it (a bad argument): failing that task
+    would only start it again at once, so it is left to Flower."""
     stand_in = node_runner.write_stand_in(runner_dir / "bin")
     gone = runner_dir / "runner-gone.sock"
     token = "beef" * 64
     out = _run_stand_in(stand_in, {node_runner.RUNNER_ENV: str(gone),
                                    node_runner.REAL_CLIENTAPP_ENV: str(_real_clientapp(tmp_path, body))},
-                        ["--token-stdin"], stdin=token)
+                        ["--token", token])
     assert out.returncode == code, out.stderr
-    assert "flwr-clientapp ended with" in out.stderr
-    assert [p.read_text() for p in node_runner.ended_dir(gone).iterdir()] == [token]
+    assert ("ended by signal 9" in out.stderr) == left
+    ended = node_runner.ended_dir(gone)
+    assert ([p.read_text() for p in ended.iterdir()] if ended.exists() else []) == ([token] if left else [])
+
+
+def test_stand_in_passes_a_stop_to_flowers_clientapp_once(runner_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the stand-in (the SuperExec stopping a task) reaches Flower's flwr-clientapp,
+    which runs in a process group of its own (a signal to the stand-in's group reaches it once)."""
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    marker = tmp_path / "terms"
+    real = _real_clientapp(tmp_path, f"def term(n, f):\n    open({str(marker)!r}, 'a').write('T')\n    time.sleep(1)\n    sys.exit(0)\n"
+                                     "import time\nsignal.signal(signal.SIGTERM, term)\ntime.sleep(60)")
+    proc = subprocess.Popen([str(stand_in), "--token", "abc"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, node_runner.RUNNER_ENV: str(runner_dir / "runner-gone.sock"),
+                                 node_runner.REAL_CLIENTAPP_ENV: str(real)}, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("REAL")   # it runs
+        os.killpg(proc.pid, signal.SIGTERM)   # the stand-in's whole group
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert marker.read_text() == "T"
+    assert not node_runner.ended_dir(runner_dir / "runner-gone.sock").exists()   # it ended its task itself
 
 
 def test_stand_in_leaves_its_token_when_the_runner_dies_during_its_task(runner_dir: Path) -> None:

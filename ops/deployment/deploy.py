@@ -40,6 +40,7 @@ from typing import Any
 from common import flower_compat
 from ops.deployment.launch import (
     APP_DIR,
+    EXIT_WORK_GONE,
     FEDERATION,
     AppWatch,
     LaunchError,
@@ -334,8 +335,12 @@ class Deployment:
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
         self.watch = AppWatch(self.link, "flwr-serverapp")
-        return flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.watch,
-                        on_line=on_line)
+        code = flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.watch, on_line=on_line)
+        if self.server_app_gone():   # the SuperLink would count the run as running for 10 minutes
+            stopped = stop_unfinished_runs(self.flwr_home)
+            print(f"pflower deploy: {self.watch.reason}; stopped its run on the SuperLink: {', '.join(stopped) or '-'}",
+                  file=sys.stderr, flush=True)
+        return code
 
     def server_app_gone(self) -> bool:
         """The last run's ServerApp ended before its run did, while the SuperLink lives."""
@@ -357,7 +362,8 @@ def run_result(run_dir: Path, started: float, code: int) -> tuple[bool, str]:
     summary = run_dir / "summary.json"
     if failed.exists() and failed.stat().st_mtime >= started:
         return False, f"run failed: {failed.read_text().strip()}"
-    if code != 0 or not summary.exists() or summary.stat().st_mtime < started:
+    # a run whose stream was stopped (its ServerApp gone, its end not reported) may have finished
+    if (code != 0 and code != EXIT_WORK_GONE) or not summary.exists() or summary.stat().st_mtime < started:
         return False, f"run did not complete (flwr exit code {code}, no fresh {summary})"
     s = json.loads(summary.read_text())
     return True, (f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
@@ -521,10 +527,9 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
         assert dep.link is not None and dep.watch is not None
         if server_app_gone:
             reason = dep.watch.reason
-            print(f"pflower deploy: {reason}; stopping that run and resuming {run_dir} from its checkpoint of "
-                  f"round {after} ({recoveries} of at most {args.max_recoveries})", file=sys.stderr, flush=True)
+            print(f"pflower deploy: resuming {run_dir} from its checkpoint of round {after} ({recoveries} of at "
+                  f"most {args.max_recoveries})", file=sys.stderr, flush=True)
             record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
-            stop_unfinished_runs(dep.flwr_home)   # else the SuperNodes are handed its messages
         else:
             reason = f"the SuperLink exited during the run (flwr exit code {code})"
             print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "

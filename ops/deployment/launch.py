@@ -343,12 +343,19 @@ class AppWatch:
     ``flwr-serverapp`` of ``pflower deploy``; seen before, in the SuperLink's process tree),
     has been gone for ``grace_s``. Why: the SuperLink takes a run whose process died for dead
     only when its heartbeats have been missing for pflower's 10 minutes; a run that completes
-    ends its stream within a second of its process exiting. ``reason`` says which ended."""
+    ends its stream within a second of its process exiting. ``reason`` says which ended.
+    Processes of ``app`` already there when the watch starts (the previous run's ServerApp,
+    still exiting) are not this run's."""
 
     def __init__(self, link: object, app: str, grace_s: float = 20.0) -> None:
         self.link, self.app, self.grace_s = link, app, grace_s
         self.seen, self.gone_since, self.reason = False, None, ""
         self.pid: int | None = None   # the app's, once found: then one /proc read a call
+        proc = getattr(link, "proc", None)
+        self.others = set(self._apps(proc.pid)) if proc is not None and proc.poll() is None else set()
+
+    def _apps(self, root: int) -> list[int]:
+        return [p for p in process_tree(root)[1:] if self.app in cmdline(p)]
 
     @property
     def app_gone(self) -> bool:
@@ -361,7 +368,7 @@ class AppWatch:
             self.reason = "the SuperLink exited"
             return False
         if self.pid is None or not pid_alive(self.pid) or self.app not in cmdline(self.pid):
-            self.pid = next((p for p in process_tree(proc.pid)[1:] if self.app in cmdline(p)), None)
+            self.pid = next((p for p in self._apps(proc.pid) if p not in self.others), None)
         if self.pid is not None:
             self.seen, self.gone_since = True, None
             return True

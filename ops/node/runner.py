@@ -76,8 +76,10 @@ CLIENTAPP_REF = "client.app:app"
 STAND_IN = '''#!{python} -S
 """pflower-supernode's stand-in for flwr-clientapp: this task goes to the node's runner
 (ops/node/runner.py); Flower's own flwr-clientapp runs it when the runner is not there.
-Whichever runs it, a task whose process ends without finishing it (killed, say) leaves its
-token for the SuperNode, which fails the task at once instead of waiting for its heartbeats."""
+Whichever runs it, a task whose process is killed leaves its token for the SuperNode, which
+fails the task at once instead of waiting for its heartbeats (Flower's flwr-clientapp answers
+its own errors; one that exits non-zero before its task, say on a bad argument, is left to
+Flower: failing its task would start it again at once, without end)."""
 import os
 import signal
 import subprocess
@@ -85,7 +87,7 @@ import sys
 from multiprocessing.connection import Client
 
 argv = sys.argv[1:]
-token = sys.stdin.read().strip() if "--token-stdin" in argv else ""
+token = sys.stdin.readline().strip() if "--token-stdin" in argv else ""   # one line, as Flower reads it
 args = ([a for a in argv if a != "--token-stdin"] + ["--token", token]) if token else argv
 if not token and "--token" in argv[:-1]:
     token = argv[argv.index("--token") + 1]
@@ -113,17 +115,25 @@ try:
 except Exception as err:   # no runner (gone, being started again, refusing): Flower's own runs the task
     sys.stderr.write("pflower stand-in: no runner (%r); the task runs in Flower's flwr-clientapp\\n" % (err,))
     real = os.environ["{real_env}"]
-    child = subprocess.Popen([real, *argv], stdin=subprocess.PIPE if "--token-stdin" in argv else None)
-    for sig in (signal.SIGTERM, signal.SIGINT):   # a stop of the task is the child's
-        signal.signal(sig, lambda number, frame: child.send_signal(number))
+    child = None
+
+    def pass_on(number, frame):   # a stop of the task is the child's (in a group of its own: once)
+        if child is None:
+            sys.exit(128 + number)
+        child.send_signal(number)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, pass_on)
+    child = subprocess.Popen([real, *argv], stdin=subprocess.PIPE if "--token-stdin" in argv else None,
+                             start_new_session=True)
     if child.stdin is not None:
-        child.stdin.write(token.encode())
+        child.stdin.write((token + "\\n").encode())
         child.stdin.close()
     code = child.wait()
-    if code != 0:
-        sys.stderr.write("pflower stand-in: Flower's flwr-clientapp ended with %d\\n" % code)
+    if code < 0:   # killed: a task it had not finished is failed now (one it had is ignored)
+        sys.stderr.write("pflower stand-in: Flower's flwr-clientapp was ended by signal %d\\n" % -code)
         leave_token()
-    sys.exit(code if code >= 0 else 1)
+    sys.exit(code if code >= 0 else 128 - code)
 with conn:
     try:
         conn.send_bytes("\\0".join(args).encode())
@@ -454,7 +464,7 @@ class RunnerKeeper(threading.Thread):
                         "Flower's flwr-clientapp); it is failed now (CLIENT_APP_CRASHED), and the server "
                         "sends its message again")
                 else:
-                    log(INFO, "pflower runner: a ClientApp task ended with its process had finished already")
+                    log(INFO, "pflower runner: a ClientApp task whose process ended had finished already")
             finally:
                 left.unlink(missing_ok=True)
 
