@@ -111,18 +111,45 @@ def test_stand_in_passes_a_stop_to_flowers_clientapp_once(runner_dir: Path, tmp_
     stand_in = node_runner.write_stand_in(runner_dir / "bin")
     marker = tmp_path / "terms"
     real = _real_clientapp(tmp_path, f"def term(n, f):\n    open({str(marker)!r}, 'a').write('T')\n    time.sleep(1)\n    sys.exit(0)\n"
-                                     "import time\nsignal.signal(signal.SIGTERM, term)\ntime.sleep(60)")
+                                     "import time\nsignal.signal(signal.SIGTERM, term)\nprint('READY', flush=True)\ntime.sleep(60)")
     proc = subprocess.Popen([str(stand_in), "--token", "abc"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, node_runner.RUNNER_ENV: str(runner_dir / "runner-gone.sock"),
                                  node_runner.REAL_CLIENTAPP_ENV: str(real)}, start_new_session=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("REAL")   # it runs
+        assert proc.stdout.readline().strip() == "READY"   # its handler is set
         os.killpg(proc.pid, signal.SIGTERM)   # the stand-in's whole group
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
     assert marker.read_text() == "T"
     assert not node_runner.ended_dir(runner_dir / "runner-gone.sock").exists()   # it ended its task itself
+
+
+def test_flowers_clientapp_dies_with_a_stand_in_killed_outright(runner_dir: Path, tmp_path: Path) -> None:
+    """A SIGKILL to the stand-in's group (a SuperNode stopped hard) does not reach Flower's
+    flwr-clientapp, in a session of its own: it dies with the stand-in, not left running."""
+    stand_in = node_runner.write_stand_in(runner_dir / "bin")
+    real = _real_clientapp(tmp_path, "print(os.getpid(), flush=True)\nimport time\ntime.sleep(60)")
+    proc = subprocess.Popen([str(stand_in), "--token", "abc"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, node_runner.RUNNER_ENV: str(runner_dir / "runner-gone.sock"),
+                                 node_runner.REAL_CLIENTAPP_ENV: str(real)}, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("REAL")
+    child = int(proc.stdout.readline())
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"   # a zombie (not yet reaped) is dead
+    except OSError:
+        return False
 
 
 def test_stand_in_leaves_its_token_when_the_runner_dies_during_its_task(runner_dir: Path) -> None:

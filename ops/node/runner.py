@@ -122,10 +122,19 @@ except Exception as err:   # no runner (gone, being started again, refusing): Fl
             sys.exit(128 + number)
         child.send_signal(number)
 
+    stand_in = os.getpid()
+
+    def die_with_the_stand_in():   # in a session of its own, a kill of ours would not reach it
+        if sys.platform.startswith("linux"):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != stand_in:   # ended before that was set
+            os._exit(1)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(sig, pass_on)
     child = subprocess.Popen([real, *argv], stdin=subprocess.PIPE if "--token-stdin" in argv else None,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=die_with_the_stand_in)
     if child.stdin is not None:
         child.stdin.write((token + "\\n").encode())
         child.stdin.close()
