@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +128,7 @@ def run_once(composed: ComposedRun, run_cfg: dict[str, str], rest: list[str], fe
         APP_DIR,
         AppWatch,
         flwr_run,
+        follow_after_stream_loss,
         run_info,
         run_log,
         simulation_superlink,
@@ -324,49 +324,6 @@ def report_failure(run_dir: Path, reason: str) -> int:
             print(f"pflower: could not write FAILED: {err}", file=sys.stderr)
     print(f"pflower: run failed: {reason}\npflower: {hint}", file=sys.stderr)
     return 1
-
-
-ACTIVE = ("pending", "starting", "running")
-
-
-def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
-                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None) -> None:
-    """``flwr run --stream`` can exit while the run goes on (the log stream to the SuperLink
-    dropped, e.g. a SuperLink too busy to answer in time). Ask the SuperLink (a few times:
-    the same load may delay that answer): while the run is still active, follow its progress
-    from ``metrics.jsonl`` until it finishes or its processes are gone (``alive``), instead
-    of killing a healthy run."""
-    from ops.deployment.launch import run_status
-
-    status = None
-    for _ in range(5):
-        status = run_status(flwr_home)
-        if status is not None or (alive is not None and not alive()):
-            break
-        time.sleep(poll_s)
-    if status is None or not status.startswith(ACTIVE):
-        return
-    print(f"pflower: the log stream ended (flwr exit code {code}) but the run is still {status} on "
-          "the SuperLink; following it from its metrics", file=sys.stderr, flush=True)
-    metrics, seen, unreachable = run_dir / "metrics.jsonl", 0, 0
-    while True:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        for line in lines[seen:]:
-            with contextlib.suppress(json.JSONDecodeError, KeyError):
-                rec = json.loads(line)
-                ev = rec.get("evaluate", {})
-                acc = f" accuracy mean {ev['accuracy_mean']:.4f}" if ev else ""
-                print(f"pflower: [round {rec['round']}/{rounds}]{acc}", flush=True)
-        seen = len(lines)
-        status = run_status(flwr_home)
-        unreachable = unreachable + 1 if status is None else 0
-        if alive is not None and not alive():
-            print("pflower: the run's processes are gone", file=sys.stderr, flush=True)
-            return
-        if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
-            print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
-            return
-        time.sleep(poll_s)
 
 
 PID_FILE = "pflower.pid"

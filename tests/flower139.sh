@@ -9,5 +9,5 @@ print('flower139 lane: flwr', s); sys.exit(s != '1.39')"
 python -m pytest -q -p no:cacheprovider -m "not docker" \
     tests/test_flower_compat.py tests/test_docker_compose.py tests/test_node_runner.py tests/test_deploy.py \
     "tests/test_long_runs_finish.py::test_a_simulation_paused_longer_than_flowers_heartbeat_timeout_completes" \
-    "tests/test_long_runs_finish.py::test_a_deployment_whose_superlink_or_serverapp_is_killed_resumes" \
+    "tests/test_long_runs_finish.py::test_a_deployment_whose_server_side_process_is_killed_resumes" \
     "tests/test_run_command.py::test_flwr_run_dot_runs_the_default_experiment_on_flowers_default_federation"

@@ -89,16 +89,36 @@ def test_node_keys_are_what_flower_accepts(tmp_path):
 
 def test_run_result_needs_a_fresh_summary(tmp_path):
     started = time.time() - 1
-    ok, text = run_result(tmp_path, started, 0)
+    ok, text, _ = run_result(tmp_path, started, 0)
     assert not ok and "did not complete" in text
     (tmp_path / "summary.json").write_text(json.dumps(
         {"accuracy_mean": 0.5, "accuracy_min": 0.25, "accuracy_std": 0.1}))
-    assert run_result(tmp_path, started, 0)[0]
-    assert not run_result(tmp_path, started, 1)[0]
-    assert not run_result(tmp_path, time.time() + 10, 0)[0]  # stale summary
+    assert run_result(tmp_path, started, 0).ok
+    # flwr run killed (or its stream dropped) while the run went on to write its summary
+    assert run_result(tmp_path, started, -9).ok
+    assert not run_result(tmp_path, time.time() + 10, 0).ok  # stale summary
+    assert not run_result(tmp_path, started, 0).said_why
     (tmp_path / "FAILED").write_text("RoundFailedError: boom")
-    ok, text = run_result(tmp_path, started, 0)
-    assert not ok and "boom" in text
+    ok, text, said_why = run_result(tmp_path, started, 0)
+    assert not ok and said_why and "boom" in text
+
+
+def test_the_latest_run_is_the_last_submitted_whatever_flowers_order(monkeypatch):
+    """A deployment's SuperLink holds every run of its jobs; Flower lists the newest first. The
+    run ``pflower deploy`` follows after its stream ended must be the one just submitted."""
+    from ops.deployment import launch
+
+    listed = [{"run-id": "3", "status": "running", "pending-at": "2026-12-07 22:08:01.5Z"},
+              {"run-id": "9", "status": "finished:completed", "pending-at": "2026-12-07 22:07:10.1Z"},
+              {"run-id": "1", "status": "pending", "pending-at": "N/A"}]
+    assert [r["run-id"] for r in launch.oldest_first(listed)] == ["1", "9", "3"]
+
+    class Listing:
+        stdout = json.dumps({"success": True, "runs": listed})
+
+    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: Listing())
+    monkeypatch.setattr(launch, "executable", lambda name: name)
+    assert launch.run_status(Path("home")) == "running"
 
 
 def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):

@@ -145,9 +145,12 @@ def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -
     script = tmp_path / "flwr-simulation"
     script.write_text("#!/bin/sh\nsleep 1\n")
     script.chmod(0o755)
-    link = subprocess.Popen(["/bin/sh", "-c", f"{script}; sleep 60"], start_new_session=True)
+    go = tmp_path / "go"   # the app starts after the watch did (one there before is another run's)
+    link = subprocess.Popen(["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; {script}; sleep 60"],
+                            start_new_session=True)
     try:
         watch = AppWatch(SimpleNamespace(proc=link), "flwr-simulation", grace_s=0.5)
+        go.touch()
         deadline = time.monotonic() + 10
         while not watch.seen and time.monotonic() < deadline:
             assert watch()
@@ -160,7 +163,36 @@ def test_the_simulation_watch_notices_a_simulation_that_exited(tmp_path: Path) -
         kill_tree(link.pid)
         link.wait()
     gone = AppWatch(SimpleNamespace(proc=link), "flwr-simulation")
-    assert not gone() and gone.reason == "the SuperLink exited"
+    assert not gone() and gone.reason == "the SuperLink exited" and gone.link_gone and not gone.app_gone
+    assert watch.app_gone and not watch.link_gone
+
+
+def test_the_watch_takes_no_app_already_there_for_its_runs(tmp_path: Path) -> None:
+    """A ServerApp already running when a run starts is the previous run's, still exiting:
+    its end must not be taken for the new run's (which would stop and resume a healthy run)."""
+    from types import SimpleNamespace
+
+    from ops.deployment.launch import AppWatch
+
+    script = tmp_path / "flwr-serverapp"
+    script.write_text("#!/bin/sh\nsleep 1.5\n")
+    script.chmod(0o755)
+    link = subprocess.Popen(["/bin/sh", "-c", f"{script}; sleep 60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not any("flwr-serverapp" in cmdline(p) for p in process_tree(link.pid)[1:]):
+            assert time.monotonic() < deadline, "the stand-in ServerApp never started"
+            time.sleep(0.05)
+        watch = AppWatch(SimpleNamespace(proc=link), "flwr-serverapp", grace_s=0.2)
+        assert watch.others
+        end = time.monotonic() + 3   # past the old app's exit and the grace
+        while time.monotonic() < end:
+            assert watch()
+            time.sleep(0.1)
+        assert not watch.seen and not watch.reason
+    finally:
+        kill_tree(link.pid)
+        link.wait()
 
 
 def test_process_helpers_need_no_ps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,16 +338,13 @@ def test_a_simulation_paused_longer_than_flowers_heartbeat_timeout_completes(tmp
     assert slow and max(r["elapsed_s"] for r in slow) - min(r["elapsed_s"] for r in _rounds(tmp_path / "paused")) > 70
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("target", ["superlink", "serverapp"])
-def test_a_deployment_whose_superlink_or_serverapp_is_killed_resumes(tmp_path: Path, target: str) -> None:
-    """``pflower deploy`` (insecure, 3 SuperNodes), two runs of the same configuration on one
-    deployment: ``ref`` uninterrupted, then ``killed``, whose SuperLink (or the run's ServerApp)
-    is SIGKILLed after its round 2. The SuperLink is started again on its database and ports,
-    the SuperNodes reconnect with their client state, the run resumes from its checkpoint and
-    ends bit for bit where ``ref`` ended. A ServerApp killed is noticed 20 s later (the
-    SuperLink would wait 10 minutes for its heartbeats): its run is stopped on the live
-    SuperLink and resumed the same way."""
+def _deploy_ref_and_killed(tmp_path: Path, victims, kill_in: str = "killed"  # noqa: ANN001
+                           ) -> tuple[str, Path, Path, dict[str, int]]:
+    """``pflower deploy`` (insecure, 3 SuperNodes, FedBN, 4 rounds), two runs of the same
+    configuration on one deployment: ``ref`` then ``killed``; the processes ``victims(work,
+    results)`` names are SIGKILLed once round 2 of ``kill_in`` is recorded (``killed``: ``ref``
+    is the uninterrupted twin). Returns the command's output, the results and work folders,
+    and the pid killed."""
     import threading
 
     work, results = tmp_path / "work", tmp_path / "results"
@@ -325,26 +354,52 @@ def test_a_deployment_whose_superlink_or_serverapp_is_killed_resumes(tmp_path: P
            f"results_root={results}", *fast]
     killed: dict[str, int] = {}
 
-    def kill_the_superlink_after_round_two() -> None:
+    def kill_after_round_two() -> None:
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(results / "killed")):
+        while time.monotonic() < deadline and not any(r["round"] >= 2 for r in _rounds(results / kill_in)):
             time.sleep(0.1)
-        pids = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
-        links = [p for p in pids if "ops.node.superlink" in cmdline(p) and str(work) in cmdline(p)]
-        if target == "serverapp":
-            links = [p for link in links for p in process_tree(link) if "flwr-serverapp" in cmdline(p)]
-        for pid in links:
+        for pid in victims(work, results):
             os.kill(pid, signal.SIGKILL)
             killed["pid"] = pid
 
-    killer = threading.Thread(target=kill_the_superlink_after_round_two, daemon=True)
+    killer = threading.Thread(target=kill_after_round_two, daemon=True)
     killer.start()
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     killer.join(timeout=5)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    assert "pid" in killed, "the SuperLink was never killed"
+    assert "pid" in killed, "nothing was killed"
+    assert text.count("pflower deploy: done") == 2
+    assert [r["round"] for r in _rounds(results / "killed")] == [1, 2, 3, 4]
+    assert _numbers(results / "killed") == _numbers(results / "ref")
+    # the SuperNodes were not restarted: one start each, their state under the results
+    for i in range(3):
+        assert (work / f"supernode-{i}.log").read_text().count("===== pflower: start #") == 1
+        assert list((results / "supernode-state" / f"node-{i}" / "killed" / str(i)).glob("state-r*.npz"))
+    return text, results, work, killed
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", ["superlink", "serverapp"])
+def test_a_deployment_whose_server_side_process_is_killed_resumes(tmp_path: Path, target: str) -> None:
+    """The SuperLink (or the run's ServerApp) of ``killed`` is SIGKILLed after its round 2
+    (:func:`_deploy_ref_and_killed`). The SuperLink is started again on its database and ports,
+    the SuperNodes reconnect with their client state, the run resumes from its checkpoint and
+    ends bit for bit where ``ref`` ended. A ServerApp killed is noticed 20 s later (the
+    SuperLink would wait 10 minutes for its heartbeats): its run is stopped on the live
+    SuperLink and resumed the same way."""
+    def victims(work: Path, results: Path) -> list[int]:
+        links = [p for p in _pids() if "ops.node.superlink" in cmdline(p) and str(work) in cmdline(p)]
+        if target == "serverapp":
+            return [p for link in links for p in process_tree(link)[1:] if "flwr-serverapp" in cmdline(p)]
+        return links
+
+    text, results, _, _ = _deploy_ref_and_killed(tmp_path, victims)
     if target == "superlink":
         assert "the SuperLink exited during the run" in text and "starting it again on its database" in text
         # the interrupted run, still "running" in the database, was stopped before the resume
@@ -352,15 +407,48 @@ def test_a_deployment_whose_superlink_or_serverapp_is_killed_resumes(tmp_path: P
     else:
         assert "the ServerApp process exited and the run had not ended 20 s later; stopped its run on the SuperLink" in text
         assert "starting it again" not in text
-    assert text.count("pflower deploy: done") == 2
     recoveries = read_recoveries(results / "killed")
     assert len(recoveries) == 1 and recoveries[0]["after_round"] >= 2
     assert ("ServerApp process exited" if target == "serverapp" else "SuperLink exited") in recoveries[0]["reason"]
     summary = json.loads((results / "killed" / "summary.json").read_text())
     assert summary["status"] == "completed-recovered"
-    assert [r["round"] for r in _rounds(results / "killed")] == [1, 2, 3, 4]
-    assert _numbers(results / "killed") == _numbers(results / "ref")
-    # the SuperNodes were not restarted: one start each, their state under the results
-    for i in range(3):
-        assert (work / f"supernode-{i}.log").read_text().count("===== pflower: start #") == 1
-        assert list((results / "supernode-state" / f"node-{i}" / "killed" / str(i)).glob("state-r*.npz"))
+
+
+@pytest.mark.e2e
+def test_a_deployment_whose_flwr_run_is_killed_is_followed_to_its_end(tmp_path: Path) -> None:
+    """``flwr run --stream``, the process ``pflower deploy`` watches a run through, is SIGKILLed
+    after round 2 of ``killed``. The run itself (SuperLink, ServerApp, SuperNodes) is healthy:
+    ``pflower deploy`` asks the SuperLink, finds it running, follows it from its metrics to its
+    end, and reports it done, with no resume and numbers equal to ``ref``'s (before, this cost
+    a manual resume)."""
+    def victims(work: Path, results: Path) -> list[int]:
+        return [p for p in _pids() if "--stream" in cmdline(p) and 'run-name="killed"' in cmdline(p)
+                and str(results) in cmdline(p)]
+
+    text, results, _, killed = _deploy_ref_and_killed(tmp_path, victims)
+    assert f"the log stream ended (flwr exit code {-signal.SIGKILL})" in text and "following it from its metrics" in text
+    assert "pflower: the run is finished:completed" in text
+    assert "resuming" not in text and not read_recoveries(results / "killed")
+    summary = json.loads((results / "killed" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+
+
+@pytest.mark.e2e
+def test_a_deployment_whose_superexecs_are_killed_runs_its_next_run(tmp_path: Path) -> None:
+    """Flower's SuperLink and each SuperNode start one ``flower-superexec``, which starts
+    every ServerApp (ClientApp), and never start it again. The SuperLink's and SuperNode 1's
+    are SIGKILLed after round 2 of ``ref``: ``ref`` goes on (the apps already started outlive
+    it), and ``killed``, submitted next, needs a new ServerApp and new ClientApps of node 1.
+    ``pflower-superlink`` and ``pflower-supernode`` start their SuperExec again
+    (``ops/node/keepers.py``), so ``killed`` runs and ends equal to ``ref``; before, it waited,
+    pending, with no end (the SuperLink's) and node 1 ran none of its messages."""
+    def victims(work: Path, results: Path) -> list[int]:
+        link = [p for p in _pids() if "ops.node.superlink" in cmdline(p) and str(work) in cmdline(p)]
+        node = [p for p in _pids() if "supernode" in cmdline(p) and "state-dir" in cmdline(p)
+                and str(results / "supernode-state" / "node-1") in cmdline(p)]
+        return [c for owner in link + node for c in process_tree(owner)[1:] if "flower-superexec" in cmdline(c)]
+
+    _, _, work, _ = _deploy_ref_and_killed(tmp_path, victims, kill_in="ref")
+    restarted = "pflower: started Flower's SuperExec again"
+    assert restarted in (work / "superlink" / "superlink.log").read_text()
+    assert restarted in (work / "supernode-1.log").read_text()

@@ -378,3 +378,55 @@ def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:
         for proc in (supernode, runner):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_the_superexec_keeper_starts_flowers_superexec_again_with_its_command_line(tmp_path: Path) -> None:
+    """Flower's SuperLink and SuperNode start their ``flower-superexec`` once; killed, it took
+    the ServerApp (ClientApps) with it and no later run started. Here the test process plays the
+    SuperLink: its child ``flower-superexec`` is SIGKILLed and left unreaped (a zombie, as
+    Flower leaves it); the keeper starts it again with the same command line, after 0 s when it
+    had lived long, then 1 s, 2 s for quick deaths; a live one is left alone."""
+    from ops.node.keepers import SuperExecKeeper, is_superexec
+
+    script = tmp_path / "flower-superexec"
+    script.write_text("import time\ntime.sleep(60)\n")   # run by Python, as Flower's console script is
+    argv = [sys.executable, str(script), "--runtime-api-address", "127.0.0.1:1", "--parent-pid", str(os.getpid())]
+    assert is_superexec(argv) and is_superexec([sys.executable, "/venv/bin/flower-superexec", "--insecure"])
+    assert not is_superexec(["/bin/sh", "-c", "flower-superexec-like"])
+    keeper = SuperExecKeeper(os.getpid())
+    keeper.check()
+    assert keeper.argv is None                   # Flower has not started one: nothing to keep
+    first = subprocess.Popen(argv, start_new_session=True)
+    started: list[subprocess.Popen] = []
+    try:
+        keeper.check()
+        assert keeper.argv == argv and keeper.pid == first.pid
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while keeper.live_superexec() is not None:   # a zombie counts as gone
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        now = keeper.started_at + 60                 # it had lived 60 s: started again at once
+        keeper.check(now=now)
+        assert keeper.proc is not None and keeper.proc.pid != first.pid
+        started.append(keeper.proc)
+        assert keeper.live_superexec().cmdline() == argv
+        keeper.check(now=now + 1)                    # alive: left alone
+        assert keeper.proc is started[-1]
+        keeper.proc.kill()
+        keeper.proc.wait()
+        keeper.check(now=now + 2)                    # died within 10 s of its start: 1 s later
+        assert keeper.proc is started[-1] and keeper.restart_at == pytest.approx(now + 3)
+        keeper.check(now=now + 3.1)
+        started.append(keeper.proc)
+        assert started[-1] is not started[-2] and keeper.live_superexec().pid == started[-1].pid
+        started[-1].kill()
+        started[-1].wait()
+        keeper.check(now=now + 4)                    # again: 2 s
+        assert keeper.restart_at == pytest.approx(now + 6)
+    finally:
+        for proc in [first, *started, keeper.proc]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        first.wait()

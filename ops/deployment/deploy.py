@@ -35,12 +35,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from common import flower_compat
 from ops.deployment.launch import (
     APP_DIR,
-    EXIT_WORK_GONE,
     FEDERATION,
     AppWatch,
     LaunchError,
@@ -48,6 +47,7 @@ from ops.deployment.launch import (
     executable,
     flower_env,
     flwr_run,
+    follow_after_stream_loss,
     free_port,
     kill_group,
     remove_private_files,
@@ -328,14 +328,19 @@ class Deployment:
 
     # ------------------------------------------------------------------ runs
     def run(self, run_config: str, timeout: float | None = None,
-            on_line: Callable[[str], None] | None = None) -> int:
+            on_line: Callable[[str], None] | None = None, follow: tuple[Path, int] | None = None) -> int:
         """Submit one run with ``flwr run <app> pflower --stream``; returns flwr's exit code
         (:data:`~ops.deployment.launch.EXIT_WORK_GONE` when the SuperLink exited during the run,
-        or the run's ServerApp did: ``watch.reason`` says which)."""
+        or the run's ServerApp did: ``watch.reason`` says which). With ``follow`` (the run's
+        folder and rounds), a stream that ends while the run goes on (``flwr run`` killed, or
+        its stream dropped) is followed from the run's metrics to the run's end, as ``pflower
+        run`` does, instead of leaving the run to a manual resume."""
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
         self.watch = AppWatch(self.link, "flwr-serverapp")
         code = flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.watch, on_line=on_line)
+        if code != 0 and not self.watch.reason and follow is not None:
+            follow_after_stream_loss(code, self.flwr_home, *follow, alive=self.watch)
         if self.server_app_gone():   # the SuperLink would count the run as running for 10 minutes
             stopped = stop_unfinished_runs(self.flwr_home)
             print(f"pflower deploy: {self.watch.reason}; stopped its run on the SuperLink: {', '.join(stopped) or '-'}",
@@ -356,18 +361,28 @@ class Deployment:
         return "".join(parts)
 
 
-def run_result(run_dir: Path, started: float, code: int) -> tuple[bool, str]:
-    """Did the run finish with a fresh summary.json? (``flwr run`` exits 0 on failure too)."""
+class RunResult(NamedTuple):
+    """How a submitted run ended: ``ok`` with a fresh summary.json; ``said_why`` when its
+    ServerApp wrote a fresh FAILED (the run failed for a reason of its own: resuming it would
+    fail again); ``text`` for the user."""
+
+    ok: bool
+    text: str
+    said_why: bool = False
+
+
+def run_result(run_dir: Path, started: float, code: int) -> RunResult:
+    """Did the run finish with a fresh summary.json? (``flwr run`` exits 0 on failure too, and
+    not 0 when it was killed or its stream dropped while the run went on to its end.)"""
     failed = run_dir / "FAILED"
     summary = run_dir / "summary.json"
     if failed.exists() and failed.stat().st_mtime >= started:
-        return False, f"run failed: {failed.read_text().strip()}"
-    # a run whose stream was stopped (its ServerApp gone, its end not reported) may have finished
-    if (code != 0 and code != EXIT_WORK_GONE) or not summary.exists() or summary.stat().st_mtime < started:
-        return False, f"run did not complete (flwr exit code {code}, no fresh {summary})"
+        return RunResult(False, f"run failed: {failed.read_text().strip()}", said_why=True)
+    if not summary.exists() or summary.stat().st_mtime < started:
+        return RunResult(False, f"run did not complete (flwr exit code {code}, no fresh {summary})")
     s = json.loads(summary.read_text())
-    return True, (f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
-                  f"std {s['accuracy_std']:.4f} -> {summary}")
+    return RunResult(True, f"accuracy mean {s['accuracy_mean']:.4f} min {s['accuracy_min']:.4f} "
+                           f"std {s['accuracy_std']:.4f} -> {summary}")
 
 
 @contextlib.contextmanager
@@ -512,10 +527,10 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
         print(f"pflower deploy: flwr run {APP_DIR} {FEDERATION} --run-config '{run_config}'", flush=True)
         started = time.time()
         with run_progress(run_dir, rounds, run_dir.name) as bar:
-            code = dep.run(run_config, timeout=args.timeout or None, on_line=None if bar is None else bar.print)
-        ok, text = run_result(run_dir, started, code)
-        # a ServerApp that said why it failed (FAILED) would only fail again
-        server_app_gone = not ok and dep.server_app_gone() and not text.startswith("run failed")
+            code = dep.run(run_config, timeout=args.timeout or None, on_line=None if bar is None else bar.print,
+                           follow=(run_dir, rounds))
+        ok, text, said_why = run_result(run_dir, started, code)
+        server_app_gone = not ok and dep.server_app_gone() and not said_why   # a FAILED would only fail again
         if ok or (dep.link_alive() and not server_app_gone):
             return ok, text
         what = "its ServerApp" if server_app_gone else "the SuperLink"
@@ -525,17 +540,15 @@ def _deploy_one(dep: Deployment, run_config: str, run_dir: Path, rounds: int,
                 "no checkpoint was written)" if after is None else f"--max-recoveries {args.max_recoveries})")
         recoveries += 1
         assert dep.link is not None and dep.watch is not None
+        reason = dep.watch.reason if server_app_gone else f"the SuperLink exited during the run (flwr exit code {code})"
+        record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
         if server_app_gone:
-            reason = dep.watch.reason
             print(f"pflower deploy: resuming {run_dir} from its checkpoint of round {after} ({recoveries} of at "
                   f"most {args.max_recoveries})", file=sys.stderr, flush=True)
-            record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
         else:
-            reason = f"the SuperLink exited during the run (flwr exit code {code})"
             print(f"pflower deploy: {reason}; starting it again on its database and resuming {run_dir} from "
                   f"its checkpoint of round {after} ({recoveries} of at most {args.max_recoveries})",
                   file=sys.stderr, flush=True)
-            record_recovery(run_dir, after, reason, dep.link.workdir / "superlink.log")
             dep.restart_link()
         run_config = to_toml_run_config(*split_overrides(expand_resume([f"resume={run_dir}"], "pflower deploy")))
 

@@ -10,6 +10,7 @@ or Ctrl-C. So a pflower command leaves no Flower or Ray process behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -350,6 +351,7 @@ class AppWatch:
     def __init__(self, link: object, app: str, grace_s: float = 20.0) -> None:
         self.link, self.app, self.grace_s = link, app, grace_s
         self.seen, self.gone_since, self.reason = False, None, ""
+        self.link_gone = False   # which ended: the SuperLink (True) or the app (``reason`` without it)
         self.pid: int | None = None   # the app's, once found: then one /proc read a call
         proc = getattr(link, "proc", None)
         self.others = set(self._apps(proc.pid)) if proc is not None and proc.poll() is None else set()
@@ -360,12 +362,12 @@ class AppWatch:
     @property
     def app_gone(self) -> bool:
         """The run's own process ended before the run did (the SuperLink lives)."""
-        return bool(self.reason) and self.reason != "the SuperLink exited"
+        return bool(self.reason) and not self.link_gone
 
     def __call__(self) -> bool:
         proc = getattr(self.link, "proc", None)
         if proc is None or proc.poll() is not None:
-            self.reason = "the SuperLink exited"
+            self.link_gone, self.reason = True, "the SuperLink exited"
             return False
         if self.pid is None or not pid_alive(self.pid) or self.app not in cmdline(self.pid):
             self.pid = next((p for p in self._apps(proc.pid) if p not in self.others), None)
@@ -429,15 +431,25 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: str, federation_config:
 
 def list_runs(flwr_home: Path) -> list[dict[str, Any]] | None:
     """Every run on our SuperLink as ``flwr ls --format json`` gives it (``run-id``,
-    ``status``, details, times, ...), oldest first; None when the SuperLink cannot be asked."""
-    import json
-
+    ``status``, details, times, ...), oldest first (Flower lists the newest first); None when
+    the SuperLink cannot be asked."""
     try:
         out = subprocess.run([executable("flwr"), "ls", FEDERATION, "--format", "json"], env=flower_env(flwr_home),
                              capture_output=True, text=True, timeout=60)
-        return [dict(r) for r in json.loads(out.stdout).get("runs", [])]
+        runs = [dict(r) for r in json.loads(out.stdout).get("runs", [])]
     except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError):
         return None
+    return oldest_first(runs)
+
+
+def oldest_first(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs in the order they were submitted (``pending-at``, "YYYY-MM-DD HH:MM:SS..." or
+    "N/A"). Why: a deployment's SuperLink holds every run it was given, and the run just
+    submitted is the one to follow; the order of Flower's listing is not ours to rely on."""
+    def submitted(run: dict[str, Any]) -> str:
+        at = str(run.get("pending-at") or "")
+        return at if at[:1].isdigit() else ""
+    return sorted(runs, key=submitted)
 
 
 def run_info(flwr_home: Path) -> dict[str, Any] | None:
@@ -477,6 +489,49 @@ def run_status(flwr_home: Path) -> str | None:
     None when the SuperLink cannot be asked."""
     info = run_info(flwr_home)
     return (str(info.get("status", "")) or None) if info else None
+
+
+ACTIVE = ("pending", "starting", "running")
+
+
+def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
+                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None) -> str | None:
+    """``flwr run --stream`` can exit while the run goes on: the log stream to the SuperLink
+    dropped (a SuperLink too busy to answer in time), or ``flwr run`` itself was killed. Ask
+    the SuperLink (a few times: the same load may delay that answer): while the run is still
+    active, follow its progress from ``metrics.jsonl`` until it finishes or its processes are
+    gone (``alive``), instead of killing a healthy run or leaving it unwatched (``pflower
+    run`` and ``pflower deploy`` alike). Returns the run's last status seen (None: the
+    SuperLink could not be asked)."""
+    status = None
+    for _ in range(5):
+        status = run_status(flwr_home)
+        if status is not None or (alive is not None and not alive()):
+            break
+        time.sleep(poll_s)
+    if status is None or not status.startswith(ACTIVE):
+        return status
+    print(f"pflower: the log stream ended (flwr exit code {code}) but the run is still {status} on "
+          "the SuperLink; following it from its metrics", file=sys.stderr, flush=True)
+    metrics, seen, unreachable = run_dir / "metrics.jsonl", 0, 0
+    while True:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        for line in lines[seen:]:
+            with contextlib.suppress(json.JSONDecodeError, KeyError):
+                rec = json.loads(line)
+                ev = rec.get("evaluate", {})
+                acc = f" accuracy mean {ev['accuracy_mean']:.4f}" if ev else ""
+                print(f"pflower: [round {rec['round']}/{rounds}]{acc}", flush=True)
+        seen = len(lines)
+        status = run_status(flwr_home)
+        unreachable = unreachable + 1 if status is None else 0
+        if alive is not None and not alive():
+            print("pflower: the run's processes are gone", file=sys.stderr, flush=True)
+            return status
+        if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
+            print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
+            return status
+        time.sleep(poll_s)
 
 
 def remove_private_files(folder: Path) -> None:

@@ -34,7 +34,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import stat
 import struct
 import subprocess
@@ -66,6 +65,7 @@ from common.flower_compat import (
 )
 from common.timing import profiled, timing_enabled
 from ops.deployment.launch import pid_alive
+from ops.node.keepers import Keeper
 
 RUNNER_ENV = "PFLOWER_NODE_RUNNER"          # the runner's socket, for the stand-in
 REAL_CLIENTAPP_ENV = "PFLOWER_REAL_CLIENTAPP"  # Flower's flwr-clientapp, the stand-in's fallback
@@ -402,44 +402,22 @@ def start_runner(owner: int) -> tuple[subprocess.Popen, Path]:
     return proc, address
 
 
-class RunnerKeeper(threading.Thread):
+class RunnerKeeper(Keeper):
     """In the SuperNode's process: starts its runner, starts another when it dies (a task that
     finds no runner meanwhile runs in Flower's own ``flwr-clientapp``), and fails at once each
     task whose process ended before the task did, the runner or that ``flwr-clientapp`` (its
     token left in :func:`ended_dir` by the task's stand-in; ``flower_compat.fail_task_now``). Without it the SuperNode waits for that task's reply until
-    its heartbeats have been missing 10 minutes, and pulls no other message meanwhile.
-
-    A runner that keeps dying soon after its start (it cannot import its code, say) is started
-    again after 1, 2, 4, ... up to 60 s, not every look; one stopped by SIGTERM or SIGINT after
-    3 s, by which time a SuperNode that is being stopped with it has exited (and this thread,
-    a daemon, with it)."""
-
-    POLL_S = 0.5
-    SHORT_LIFE_S = 10.0   # a runner that dies sooner after its start counts as a quick death
-    MAX_DELAY_S = 60.0
-    STOP_GRACE_S = 3.0
+    its heartbeats have been missing 10 minutes, and pulls no other message meanwhile. A runner
+    that keeps dying is started again after :class:`~ops.node.keepers.Keeper`'s delays."""
 
     def __init__(self, owner: int) -> None:
-        super().__init__(daemon=True, name="pflower-runner-keeper")
-        self.owner, self.quick_deaths = owner, 0
-        self.restart_at: float | None = None
+        super().__init__("runner-keeper")
+        self.owner = owner
         self._start()
 
     def _start(self) -> None:
         self.proc, self.address = start_runner(self.owner)
         self.started_at = time.monotonic()
-
-    def run(self) -> None:
-        while True:
-            time.sleep(self.POLL_S)
-            self.look()
-
-    def look(self) -> None:
-        """:meth:`check`, and an error logged, not ending the keeper."""
-        try:
-            self.check()
-        except Exception as err:   # the next look tries again
-            log(ERROR, "pflower runner keeper: %r", err)
 
     def check(self, now: float | None = None) -> None:
         """One look: the runner started again when its time has come; the tasks it died with failed."""
@@ -455,12 +433,6 @@ class RunnerKeeper(threading.Thread):
                 self.restart_at = None
                 self._start()
         self._fail_ended_tasks()
-
-    def _delay(self, code: int, now: float) -> float:
-        if code in (-signal.SIGTERM, -signal.SIGINT):   # its node may be being stopped as well
-            return self.STOP_GRACE_S
-        self.quick_deaths = self.quick_deaths + 1 if now - self.started_at < self.SHORT_LIFE_S else 0
-        return min(self.MAX_DELAY_S, 2.0 ** (self.quick_deaths - 1)) if self.quick_deaths else 0.0
 
     def _fail_ended_tasks(self) -> None:
         ended = ended_dir(self.address)

@@ -13,6 +13,8 @@ patches to Flower's internals are in ``common/flower_compat.py``:
   one fresh process per message (``--no-runner``: Flower's processes). A runner that dies is
   started again, and the task it died with is failed at once (the server sends its message
   again), not after 10 minutes without heartbeats.
+- Its SuperExec, the process that starts its ClientApps, is started again when it dies
+  (``ops/node/keepers.py``); Flower's would leave the node pulling messages it never runs.
 - Its object pulls back off from 0.05 s, not 1 s (``common/flower_compat.py``).
 - A ClientApp task may miss heartbeats for 10 minutes, not 60 s, before it is failed
   (``common/flower_compat.py``).
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 
 from common.flower_compat import check_flower_version, run_supernode
+from ops.node.keepers import SuperExecKeeper
 
 DEFAULT_POLL_INTERVAL = 0.2
 
@@ -91,6 +94,7 @@ def main() -> None:
 
     # the SuperExec it starts looks for ClientApp tasks every second by default
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(interval))
+    SuperExecKeeper(os.getpid()).start()   # Flower's SuperExec started again when it dies
     run_supernode(rest, interval)   # capped sleeps, short object pulls, long task heartbeats
 
 

@@ -1,0 +1,117 @@
+"""Threads in a node's own process (``pflower-superlink``, ``pflower-supernode``) that start a
+helper process again when it dies: the node's ClientApp runner (``ops/node/runner.py:
+RunnerKeeper``) and Flower's ``flower-superexec`` (:class:`SuperExecKeeper`).
+
+Why the SuperExec: Flower's SuperLink and SuperNode each start one ``flower-superexec``, which
+starts every app process of their runs, ServerApps or ClientApps. Neither starts it again when
+it dies, and then no later app process starts: the SuperLink's next run (a run being resumed,
+the next job of ``pflower deploy``) stays ``pending`` with no end, and a SuperNode pulls its
+messages but runs none of them. (The app processes it had started go on: they watch its pid
+with ``kill(pid, 0)``, which a zombie passes, and Flower does not reap it.)"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from logging import ERROR, WARNING
+
+import psutil
+from flwr.common.logger import log
+
+
+class Keeper(threading.Thread):
+    """A daemon thread that looks every ``POLL_S`` (:meth:`check`, an error logged and the
+    next look tried), and the delay before a dead process is started again: at once after a
+    long life, 1, 2, 4, ... up to 60 s when it keeps dying within ``SHORT_LIFE_S`` of its start
+    (it cannot start at all, say), and 3 s after SIGTERM or SIGINT, by which time a node that
+    is being stopped with it has exited (and this thread, a daemon, with it)."""
+
+    POLL_S = 0.5
+    SHORT_LIFE_S = 10.0   # a process that dies sooner after its start counts as a quick death
+    MAX_DELAY_S = 60.0
+    STOP_GRACE_S = 3.0
+
+    def __init__(self, name: str) -> None:
+        super().__init__(daemon=True, name=name)
+        self.quick_deaths = 0
+        self.started_at = time.monotonic()
+        self.restart_at: float | None = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            self.look()
+
+    def look(self) -> None:
+        """:meth:`check`, and an error logged, not ending the keeper."""
+        try:
+            self.check()
+        except Exception as err:   # the next look tries again
+            log(ERROR, "pflower %s: %r", self.name, err)
+
+    def check(self, now: float | None = None) -> None:
+        raise NotImplementedError
+
+    def _delay(self, code: int | None, now: float) -> float:
+        if code in (-signal.SIGTERM, -signal.SIGINT):   # its node may be being stopped as well
+            return self.STOP_GRACE_S
+        self.quick_deaths = self.quick_deaths + 1 if now - self.started_at < self.SHORT_LIFE_S else 0
+        return min(self.MAX_DELAY_S, 2.0 ** (self.quick_deaths - 1)) if self.quick_deaths else 0.0
+
+
+def is_superexec(argv: list[str]) -> bool:
+    """``flower-superexec ...`` (its console script, or Python running it)."""
+    return any(part.rsplit("/", 1)[-1] == "flower-superexec" for part in argv[:2])
+
+
+class SuperExecKeeper(Keeper):
+    """Starts Flower's ``flower-superexec`` of this process (``owner``, the SuperLink's or the
+    SuperNode's) again, with the command line it had, when it has died (see the module's
+    docstring for why). It only watches: until Flower has started its own SuperExec, and while
+    one lives, it does nothing. A SuperExec stopped by a signal that the node passed on (the
+    node is being stopped) is started again only after the 3 s in which its node exits."""
+
+    POLL_S = 1.0
+
+    def __init__(self, owner: int) -> None:
+        super().__init__("superexec-keeper")
+        self.owner = owner
+        self.argv: list[str] | None = None   # the SuperExec's command line, once seen
+        self.pid: int | None = None
+        self.proc: subprocess.Popen | None = None   # one this keeper started (reaped here)
+        self.code: int | None = None
+
+    def live_superexec(self) -> psutil.Process | None:
+        for child in psutil.Process(self.owner).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE and is_superexec(child.cmdline()):
+                    return child
+            except psutil.Error:   # gone meanwhile
+                continue
+        return None
+
+    def check(self, now: float | None = None) -> None:
+        """One look: the SuperExec's command line remembered while it lives; started again when
+        it has been gone for its delay."""
+        now = time.monotonic() if now is None else now
+        if self.proc is not None and self.proc.poll() is not None:
+            self.code = self.proc.returncode
+        live = self.live_superexec()
+        if live is not None:
+            if live.pid != self.pid:
+                self.argv, self.pid, self.code = live.cmdline(), live.pid, None
+            return
+        if self.argv is None:   # Flower has not started it yet
+            return
+        if self.restart_at is None:
+            delay = self._delay(self.code, now)
+            self.restart_at = now + delay
+            log(WARNING, "pflower: Flower's SuperExec (pid %s) exited; starting it again in %.1f s (without it "
+                "no app process of a later task would start)", self.pid, delay)
+        if now >= self.restart_at:
+            self.restart_at = None
+            self.proc = subprocess.Popen(self.argv, start_new_session=True, stdin=subprocess.DEVNULL)
+            self.pid, self.code, self.started_at = self.proc.pid, None, now
+            log(WARNING, "pflower: started Flower's SuperExec again (pid %d)", self.proc.pid)
