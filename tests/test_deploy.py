@@ -112,6 +112,10 @@ def test_the_latest_run_is_the_last_submitted_whatever_flowers_order(monkeypatch
               {"run-id": "9", "status": "finished:completed", "pending-at": "2026-12-07 22:07:10.1Z"},
               {"run-id": "1", "status": "pending", "pending-at": "N/A"}]
     assert [r["run-id"] for r in launch.oldest_first(listed)] == ["1", "9", "3"]
+    # Flower prints pending-at to the second: two runs of one second stay in submission order
+    same_second = [{"run-id": "new", "pending-at": "2026-12-07 22:08:01Z"},
+                   {"run-id": "old", "pending-at": "2026-12-07 22:08:01Z"}]
+    assert [r["run-id"] for r in launch.oldest_first(same_second)] == ["old", "new"]
 
     class Listing:
         stdout = json.dumps({"success": True, "runs": listed})
@@ -119,6 +123,25 @@ def test_the_latest_run_is_the_last_submitted_whatever_flowers_order(monkeypatch
     monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: Listing())
     monkeypatch.setattr(launch, "executable", lambda name: name)
     assert launch.run_status(Path("home")) == "running"
+
+
+def test_a_run_followed_after_its_stream_ended_is_followed_to_its_end_or_its_timeout(tmp_path, monkeypatch, capsys):
+    """``follow_after_stream_loss``: while the SuperLink says the run is active, its rounds are
+    printed from metrics.jsonl; it returns the status that ended it; ``--timeout`` still holds."""
+    import subprocess
+
+    from ops.deployment import launch
+
+    statuses = iter(["running", "running", "finished:completed"])
+    monkeypatch.setattr(launch, "run_status", lambda home: next(statuses))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "evaluate": {"accuracy_mean": 0.5}}) + "\n")
+    assert launch.follow_after_stream_loss(-9, tmp_path, tmp_path, 2, poll_s=0.01) == "finished:completed"
+    out = capsys.readouterr()
+    assert "[round 1/2] accuracy mean 0.5000" in out.out and "the log stream ended (flwr exit code -9)" in out.err
+    monkeypatch.setattr(launch, "run_status", lambda home: "running")
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch.follow_after_stream_loss(-9, tmp_path, tmp_path, 2, poll_s=0.01, deadline=time.monotonic() + 0.05)
+    assert launch.follow_after_stream_loss(-9, tmp_path, tmp_path, 2, poll_s=0.01, alive=lambda: False) == "running"
 
 
 def test_deploy_refuses_a_dataset_that_does_not_match_the_nodes(capsys):

@@ -174,8 +174,8 @@ def test_the_watch_takes_no_app_already_there_for_its_runs(tmp_path: Path) -> No
 
     from ops.deployment.launch import AppWatch
 
-    script = tmp_path / "flwr-serverapp"
-    script.write_text("#!/bin/sh\nsleep 1.5\n")
+    script, done = tmp_path / "flwr-serverapp", tmp_path / "done"   # it exits once told to
+    script.write_text(f"#!/bin/sh\nwhile [ ! -e {done} ]; do sleep 0.05; done\n")
     script.chmod(0o755)
     link = subprocess.Popen(["/bin/sh", "-c", f"{script}; sleep 60"], start_new_session=True)
     try:
@@ -185,7 +185,11 @@ def test_the_watch_takes_no_app_already_there_for_its_runs(tmp_path: Path) -> No
             time.sleep(0.05)
         watch = AppWatch(SimpleNamespace(proc=link), "flwr-serverapp", grace_s=0.2)
         assert watch.others
-        end = time.monotonic() + 3   # past the old app's exit and the grace
+        done.touch()
+        while any("flwr-serverapp" in cmdline(p) for p in process_tree(link.pid)[1:]):
+            assert time.monotonic() < deadline, "the stand-in ServerApp did not exit"
+            time.sleep(0.05)
+        end = time.monotonic() + 1   # past the old app's exit and the grace
         while time.monotonic() < end:
             assert watch()
             time.sleep(0.1)

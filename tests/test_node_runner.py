@@ -5,6 +5,7 @@ process of its own, its Message carried without pickle; the SuperNode's shortene
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -381,52 +382,79 @@ def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:
 
 
 def test_the_superexec_keeper_starts_flowers_superexec_again_with_its_command_line(tmp_path: Path) -> None:
-    """Flower's SuperLink and SuperNode start their ``flower-superexec`` once; killed, it took
-    the ServerApp (ClientApps) with it and no later run started. Here the test process plays the
-    SuperLink: its child ``flower-superexec`` is SIGKILLed and left unreaped (a zombie, as
-    Flower leaves it); the keeper starts it again with the same command line, after 0 s when it
-    had lived long, then 1 s, 2 s for quick deaths; a live one is left alone."""
-    from ops.node.keepers import SuperExecKeeper, is_superexec
+    """Flower's SuperLink and SuperNode start their ``flower-superexec`` once; killed, no later
+    ServerApp (ClientApp) started. Here the test process plays the SuperLink: its child
+    ``flower-superexec`` is SIGKILLed and left unreaped (a zombie, as Flower leaves it). The
+    keeper starts it again with the same command line, at once after a SIGKILL that ended a
+    long life, 3 s after a SIGTERM (its node may be stopping), 1 s after a quick death; it
+    never reaps Flower's SuperExec (the apps it started watch its pid), and reaps a dead
+    replacement only once no live process names it as its ``--parent-pid``."""
+    import psutil
+
+    from ops.node.keepers import SuperExecKeeper, exit_signal, is_superexec
+
+    def zombie(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     script = tmp_path / "flower-superexec"
     script.write_text("import time\ntime.sleep(60)\n")   # run by Python, as Flower's console script is
     argv = [sys.executable, str(script), "--runtime-api-address", "127.0.0.1:1", "--parent-pid", str(os.getpid())]
-    assert is_superexec(argv) and is_superexec([sys.executable, "/venv/bin/flower-superexec", "--insecure"])
+    assert is_superexec(argv) and is_superexec([sys.executable, "-s", "/venv/bin/flower-superexec", "--insecure"])
     assert not is_superexec(["/bin/sh", "-c", "flower-superexec-like"])
     keeper = SuperExecKeeper(os.getpid())
     keeper.check()
     assert keeper.argv is None                   # Flower has not started one: nothing to keep
     first = subprocess.Popen(argv, start_new_session=True)
-    started: list[subprocess.Popen] = []
+    app = None
     try:
         keeper.check()
         assert keeper.argv == argv and keeper.pid == first.pid
         os.kill(first.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while keeper.live_superexec() is not None:   # a zombie counts as gone
+        while not zombie(first.pid):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        now = keeper.started_at + 60                 # it had lived 60 s: started again at once
+        assert keeper.live_superexec() is None and exit_signal(first.pid) == signal.SIGKILL
+        now = keeper.started_at + 60                 # SIGKILLed after a long life: started again at once
         keeper.check(now=now)
-        assert keeper.proc is not None and keeper.proc.pid != first.pid
-        started.append(keeper.proc)
+        replacement = keeper.pid
+        assert replacement != first.pid and replacement in keeper.started
         assert keeper.live_superexec().cmdline() == argv
+        assert zombie(first.pid)                     # Flower's, not reaped: its apps go on
         keeper.check(now=now + 1)                    # alive: left alone
-        assert keeper.proc is started[-1]
-        keeper.proc.kill()
-        keeper.proc.wait()
-        keeper.check(now=now + 2)                    # died within 10 s of its start: 1 s later
-        assert keeper.proc is started[-1] and keeper.restart_at == pytest.approx(now + 3)
-        keeper.check(now=now + 3.1)
-        started.append(keeper.proc)
-        assert started[-1] is not started[-2] and keeper.live_superexec().pid == started[-1].pid
-        started[-1].kill()
-        started[-1].wait()
-        keeper.check(now=now + 4)                    # again: 2 s
-        assert keeper.restart_at == pytest.approx(now + 6)
+        assert keeper.pid == replacement and keeper.restart_at is None
+        os.kill(replacement, signal.SIGTERM)         # as when its node is stopped
+        while not zombie(replacement):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        keeper.check(now=now + 2)
+        assert keeper.restart_at == pytest.approx(now + 5)
+        # an app the replacement started, still running: its SuperExec must not be reaped
+        app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--parent-pid", str(replacement)])
+        keeper.check(now=now + 5.1)
+        second = keeper.pid
+        assert second not in (first.pid, replacement) and keeper.dead == [replacement]
+        keeper.check(now=now + 5.2)
+        assert zombie(replacement) and keeper.dead == [replacement]
+        app.kill()
+        app.wait()
+        keeper.check(now=now + 5.3)
+        assert not psutil.pid_exists(replacement) and keeper.dead == []   # reaped now
+        os.kill(second, signal.SIGKILL)              # a quick death: 1 s
+        while not zombie(second):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        keeper.check(now=now + 6)
+        assert keeper.restart_at == pytest.approx(now + 7)
     finally:
-        for proc in [first, *started, keeper.proc]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        first.wait()
+        if app is not None and app.poll() is None:
+            app.kill()
+            app.wait()
+        for pid in [*keeper.started, first.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)

@@ -338,9 +338,10 @@ class Deployment:
         if not self.link_alive():
             raise LaunchError("the SuperLink is not running" + self.logs())
         self.watch = AppWatch(self.link, "flwr-serverapp")
+        deadline = None if timeout is None else time.monotonic() + timeout
         code = flwr_run(APP_DIR, self.flwr_home, run_config, timeout=timeout, alive=self.watch, on_line=on_line)
         if code != 0 and not self.watch.reason and follow is not None:
-            follow_after_stream_loss(code, self.flwr_home, *follow, alive=self.watch)
+            follow_after_stream_loss(code, self.flwr_home, *follow, alive=self.watch, deadline=deadline)
         if self.server_app_gone():   # the SuperLink would count the run as running for 10 minutes
             stopped = stop_unfinished_runs(self.flwr_home)
             print(f"pflower deploy: {self.watch.reason}; stopped its run on the SuperLink: {', '.join(stopped) or '-'}",

@@ -449,7 +449,7 @@ def oldest_first(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def submitted(run: dict[str, Any]) -> str:
         at = str(run.get("pending-at") or "")
         return at if at[:1].isdigit() else ""
-    return sorted(runs, key=submitted)
+    return sorted(reversed(runs), key=submitted)   # Flower's newest-first, reversed: ties (to the second) in order
 
 
 def run_info(flwr_home: Path) -> dict[str, Any] | None:
@@ -495,14 +495,16 @@ ACTIVE = ("pending", "starting", "running")
 
 
 def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: int,
-                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None) -> str | None:
+                             poll_s: float = 3.0, alive: Callable[[], bool] | None = None,
+                             deadline: float | None = None) -> str | None:
     """``flwr run --stream`` can exit while the run goes on: the log stream to the SuperLink
     dropped (a SuperLink too busy to answer in time), or ``flwr run`` itself was killed. Ask
     the SuperLink (a few times: the same load may delay that answer): while the run is still
     active, follow its progress from ``metrics.jsonl`` until it finishes or its processes are
     gone (``alive``), instead of killing a healthy run or leaving it unwatched (``pflower
     run`` and ``pflower deploy`` alike). Returns the run's last status seen (None: the
-    SuperLink could not be asked)."""
+    SuperLink could not be asked). Past ``deadline`` (``time.monotonic()``; the run's
+    ``--timeout``), raises ``subprocess.TimeoutExpired`` as ``flwr_run`` does."""
     status = None
     for _ in range(5):
         status = run_status(flwr_home)
@@ -531,6 +533,8 @@ def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: 
         if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
             print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
             return status
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired("flwr run (followed from its metrics)", poll_s)
         time.sleep(poll_s)
 
 

@@ -11,8 +11,9 @@ with ``kill(pid, 0)``, which a zombie passes, and Flower does not reap it.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
-import subprocess
 import threading
 import time
 from logging import ERROR, WARNING
@@ -62,16 +63,34 @@ class Keeper(threading.Thread):
 
 
 def is_superexec(argv: list[str]) -> bool:
-    """``flower-superexec ...`` (its console script, or Python running it)."""
-    return any(part.rsplit("/", 1)[-1] == "flower-superexec" for part in argv[:2])
+    """``flower-superexec ...`` (its console script, or Python, with flags, running it)."""
+    return any(part.rsplit("/", 1)[-1] == "flower-superexec" for part in argv[:3])
+
+
+def exit_signal(pid: int) -> int | None:
+    """The signal that ended child ``pid`` (0: it exited), read without reaping it; None when
+    it is not a dead child of this process. Why not reaped: the app processes a SuperExec
+    started watch its pid with ``kill(pid, 0)`` and exit once it is gone; a zombie keeps them
+    going."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else 0
 
 
 class SuperExecKeeper(Keeper):
     """Starts Flower's ``flower-superexec`` of this process (``owner``, the SuperLink's or the
     SuperNode's) again, with the command line it had, when it has died (see the module's
     docstring for why). It only watches: until Flower has started its own SuperExec, and while
-    one lives, it does nothing. A SuperExec stopped by a signal that the node passed on (the
-    node is being stopped) is started again only after the 3 s in which its node exits."""
+    one lives, it does nothing. One ended by SIGTERM or SIGINT (its node is being stopped) or
+    of an unknown end is started again only after 3 s, in which its node exits; one SIGKILLed
+    at once (then 1, 2, 4, ... s if it keeps dying). A replacement runs in the owner's process
+    group, so stopping the node's group stops it; it is started with ``posix_spawn`` (a
+    ``subprocess.Popen`` would reap Flower's dead SuperExec, ending the apps it started), and a
+    dead one is reaped only once no live process names it as its ``--parent-pid``."""
 
     POLL_S = 1.0
 
@@ -80,8 +99,8 @@ class SuperExecKeeper(Keeper):
         self.owner = owner
         self.argv: list[str] | None = None   # the SuperExec's command line, once seen
         self.pid: int | None = None
-        self.proc: subprocess.Popen | None = None   # one this keeper started (reaped here)
-        self.code: int | None = None
+        self.started: set[int] = set()   # the replacements this keeper started
+        self.dead: list[int] = []   # those that have died, not yet reaped
 
     def live_superexec(self) -> psutil.Process | None:
         for child in psutil.Process(self.owner).children():
@@ -96,22 +115,40 @@ class SuperExecKeeper(Keeper):
         """One look: the SuperExec's command line remembered while it lives; started again when
         it has been gone for its delay."""
         now = time.monotonic() if now is None else now
-        if self.proc is not None and self.proc.poll() is not None:
-            self.code = self.proc.returncode
+        self._reap_unwatched()
         live = self.live_superexec()
         if live is not None:
             if live.pid != self.pid:
-                self.argv, self.pid, self.code = live.cmdline(), live.pid, None
+                self.argv, self.pid = live.cmdline(), live.pid
             return
         if self.argv is None:   # Flower has not started it yet
             return
         if self.restart_at is None:
-            delay = self._delay(self.code, now)
+            ended_by = exit_signal(self.pid) if self.pid is not None else None
+            code = None if ended_by is None else -ended_by if ended_by else 0
+            delay = self.STOP_GRACE_S if code is None else self._delay(code, now)
             self.restart_at = now + delay
-            log(WARNING, "pflower: Flower's SuperExec (pid %s) exited; starting it again in %.1f s (without it "
-                "no app process of a later task would start)", self.pid, delay)
+            log(WARNING, "pflower: Flower's SuperExec (pid %s) exited (%s); starting it again in %.1f s (without "
+                "it no app process of a later task would start)", self.pid,
+                "end unknown" if code is None else f"code {code}", delay)
         if now >= self.restart_at:
             self.restart_at = None
-            self.proc = subprocess.Popen(self.argv, start_new_session=True, stdin=subprocess.DEVNULL)
-            self.pid, self.code, self.started_at = self.proc.pid, None, now
-            log(WARNING, "pflower: started Flower's SuperExec again (pid %d)", self.proc.pid)
+            if self.pid is not None and self.pid in self.started:
+                self.dead.append(self.pid)
+            pid = os.posix_spawnp(self.argv[0], self.argv, dict(os.environ))   # in the owner's group
+            self.started.add(pid)
+            self.pid, self.started_at = pid, now
+            log(WARNING, "pflower: started Flower's SuperExec again (pid %d)", pid)
+
+    def _reap_unwatched(self) -> None:
+        """Reap the dead replacements no live app process names as its ``--parent-pid``."""
+        if not self.dead:
+            return
+        watched = set()
+        for proc in psutil.process_iter(["cmdline"]):
+            argv = proc.info.get("cmdline") or []
+            watched.update(argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--parent-pid")
+        for pid in [p for p in self.dead if str(p) not in watched]:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            self.dead.remove(pid)
