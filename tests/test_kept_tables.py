@@ -25,8 +25,10 @@ table of one seed, where that says nothing). A fine-tune curve
 mean over seeds of each row's ``finetune_curve``. New clients' personalisation (``pflower
 personalize``, each run's ``new_clients.json``) is marked ``<!-- new-clients: <name> -->`` ...
 ``<!-- /new-clients -->``: per row, mode and size, each lr's last-epoch and best-by-validation
-test accuracy (mean over the new clients), mean ± std over the seeds. A run removed, a digit
-changed or an ordering that does not hold fails here.
+test accuracy (mean over the new clients), mean ± std over the seeds. The authors' own FEDORA
+script's runs (``bench/authors_fedora_run.py``, one JSON a run) beside pflower's kept runs are
+marked ``<!-- authors-fedora: <their folder> <our folder> -->`` ... ``<!-- /authors-fedora -->``.
+A run removed, a digit changed or an ordering that does not hold fails here.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def _runs(name: str) -> list[Path]:
 
 CURVE_BLOCK = re.compile(r"<!-- curve: (\S+) -->\n(.*?)\n<!-- /curve -->", re.S)
 NEW_CLIENTS_BLOCK = re.compile(r"<!-- new-clients: (\S+) -->\n(.*?)\n<!-- /new-clients -->", re.S)
+# the authors' own FEDORA script beside pflower's kept runs: `<!-- authors-fedora: <theirs> <ours> -->`,
+# the output of `python3 -m bench.authors_fedora_run --compare docs/runs/<theirs>/*.json --ours docs/runs/<ours>`
+AUTHORS_BLOCK = re.compile(r"<!-- authors-fedora: (\S+) (\S+) -->\n(.*?)\n<!-- /authors-fedora -->", re.S)
+AUTHORS = [(str(page.relative_to(REPO)), m.group(1), m.group(2), m.group(3))
+           for page in sorted(DOCS.rglob("*.md")) for m in AUTHORS_BLOCK.finditer(page.read_text())]
 COMPARES = _blocks(COMPARE_BLOCK)
 ORDERINGS = _blocks(ORDERINGS_BLOCK)
 CURVES = _blocks(CURVE_BLOCK)
@@ -78,7 +85,7 @@ NEW_CLIENTS = _blocks(NEW_CLIENTS_BLOCK)
 def test_every_kept_folder_has_its_table_on_a_page() -> None:
     named = {name for _, name, _ in COMPARES}
     folders = {p.name for p in KEPT.iterdir() if p.is_dir()}
-    missing = folders - CHECKED_ELSEWHERE - named
+    missing = folders - CHECKED_ELSEWHERE - named - {theirs for _, theirs, _, _ in AUTHORS}
     assert not missing, f"kept runs without a table: {sorted(missing)}"
     assert {name for _, name, _ in ORDERINGS} <= named
 
@@ -89,6 +96,17 @@ def test_the_page_prints_what_compare_gives_of_the_kept_runs(page: str, name: st
         f"{page} does not print the command that gives its table"
     assert compare_runs(_runs(name)) == printed, \
         f"{page}: the table marked `compare: {name}` is not `pflower compare docs/runs/{name}/*`"
+
+
+@pytest.mark.parametrize(("page", "theirs", "ours", "printed"), AUTHORS, ids=[f"{p}:{t}" for p, t, _, _ in AUTHORS])
+def test_the_authors_script_table_is_their_kept_runs_beside_ours(page: str, theirs: str, ours: str, printed: str) -> None:
+    from bench.authors_fedora_run import compare
+
+    command = f"python3 -m bench.authors_fedora_run --compare docs/runs/{theirs}/*.json --ours docs/runs/{ours}"
+    assert command in (REPO / page).read_text(), f"{page} does not print the command that gives its table"
+    files = sorted((KEPT / theirs).glob("*.json"))
+    assert files, f"docs/runs/{theirs} holds no run of the authors' script"
+    assert compare(files, KEPT / ours) == printed, f"{page}: the table marked `authors-fedora: {theirs}` is not `{command}`"
 
 
 def _mean_by_seed(members: list[dict], protocol: str, at_best: bool = False) -> dict[int, float]:
