@@ -19,8 +19,8 @@ Two things their command line cannot say are set on the parsed arguments instead
 ``--data-name`` accepts only ``cifar10``/``cifar100`` although the code reads
 ``mnist``/``fashion-mnist`` (its default is ``mnist``).
 
-Their script keeps its results in a local variable and prints only the test mean; every call
-of their ``eval_model`` is recorded instead (their function, called as they call it, its
+Their script keeps its results in a local variable and logs only each evaluation's test loss,
+mean and per-client accuracies; every call of their ``eval_model`` is recorded instead (their function, called as they call it, its
 return values kept), so the JSON holds each evaluation's per-client accuracy on the test and
 validation splits. Evaluations come in pairs: test then validation at steps 1, 11, ..., 491,
 then validation and test after the last step (500). ``--compare`` prints, per method, their

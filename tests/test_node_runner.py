@@ -383,15 +383,16 @@ def test_the_runner_exits_when_its_supernode_is_gone(runner_dir: Path) -> None:
 
 def test_the_superexec_keeper_starts_flowers_superexec_again_with_its_command_line(tmp_path: Path) -> None:
     """Flower's SuperLink and SuperNode start their ``flower-superexec`` once; killed, no later
-    ServerApp (ClientApp) started. Here the test process plays the SuperLink: its child
-    ``flower-superexec`` is SIGKILLed and left unreaped (a zombie, as Flower leaves it). The
-    keeper starts it again with the same command line, at once after a SIGKILL that ended a
-    long life, 3 s after a SIGTERM (its node may be stopping), 1 s after a quick death; it
-    never reaps Flower's SuperExec (the apps it started watch its pid), and reaps a dead
-    replacement only once no live process names it as its ``--parent-pid``."""
+    ServerApp (ClientApp) started. Here the test process plays the SuperNode: it starts a
+    ``flower-superexec`` with a ``Popen`` it drops (as Flower's SuperNode does), which is then
+    SIGKILLed. The keeper starts it again with the same command line, at once after a SIGKILL
+    that ended a long life, 3 s after a clean exit (Flower's SuperExec exits 0 on SIGTERM: its
+    node may be stopping), 1 s after a quick death. No later ``Popen`` of the process reaps a
+    dead SuperExec (the apps it started watch its pid); the keeper reaps one only once no live
+    process names it as its ``--parent-pid``."""
     import psutil
 
-    from ops.node.keepers import SuperExecKeeper, exit_signal, is_superexec
+    from ops.node.keepers import SuperExecKeeper, exit_status, is_superexec
 
     def zombie(pid: int) -> bool:
         try:
@@ -399,61 +400,70 @@ def test_the_superexec_keeper_starts_flowers_superexec_again_with_its_command_li
         except psutil.NoSuchProcess:
             return False
 
-    script = tmp_path / "flower-superexec"
-    script.write_text("import time\ntime.sleep(60)\n")   # run by Python, as Flower's console script is
+    def wait_until(condition, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    script = tmp_path / "flower-superexec"   # run by Python, as Flower's console script is; exits 0 on SIGTERM
+    script.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                      "print('ready', flush=True)\ntime.sleep(60)\n")
     argv = [sys.executable, str(script), "--runtime-api-address", "127.0.0.1:1", "--parent-pid", str(os.getpid())]
     assert is_superexec(argv) and is_superexec([sys.executable, "-s", "/venv/bin/flower-superexec", "--insecure"])
     assert not is_superexec(["/bin/sh", "-c", "flower-superexec-like"])
     keeper = SuperExecKeeper(os.getpid())
     keeper.check()
     assert keeper.argv is None                   # Flower has not started one: nothing to keep
-    first = subprocess.Popen(argv, start_new_session=True)
+    first = subprocess.Popen(argv, start_new_session=True).pid   # the Popen dropped, as Flower's SuperNode does
     app = None
     try:
         keeper.check()
-        assert keeper.argv == argv and keeper.pid == first.pid
-        os.kill(first.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not zombie(first.pid):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert keeper.live_superexec() is None and exit_signal(first.pid) == signal.SIGKILL
-        now = keeper.started_at + 60                 # SIGKILLed after a long life: started again at once
+        assert keeper.argv == argv and keeper.pid == first
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: zombie(first), "the SuperExec did not die")
+        subprocess.run(["true"], check=True)     # a later Popen of the node (a runner, say)
+        assert zombie(first) and exit_status(first) == -signal.SIGKILL   # not reaped by it
+        # an app the dead SuperExec started, still running: it must not be reaped
+        app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--parent-pid", str(first)])
+        now = keeper.started_at + 60             # SIGKILLed after a long life: started again at once
         keeper.check(now=now)
         replacement = keeper.pid
-        assert replacement != first.pid and replacement in keeper.started
+        assert replacement != first and replacement in keeper.started and keeper.dead == [first]
+        wait_until(lambda: keeper.live_superexec() is not None, "no replacement")
         assert keeper.live_superexec().cmdline() == argv
-        assert zombie(first.pid)                     # Flower's, not reaped: its apps go on
-        keeper.check(now=now + 1)                    # alive: left alone
-        assert keeper.pid == replacement and keeper.restart_at is None
-        os.kill(replacement, signal.SIGTERM)         # as when its node is stopped
-        while not zombie(replacement):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        keeper.check(now=now + 2)
-        assert keeper.restart_at == pytest.approx(now + 5)
-        # an app the replacement started, still running: its SuperExec must not be reaped
-        app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--parent-pid", str(replacement)])
-        keeper.check(now=now + 5.1)
-        second = keeper.pid
-        assert second not in (first.pid, replacement) and keeper.dead == [replacement]
-        keeper.check(now=now + 5.2)
-        assert zombie(replacement) and keeper.dead == [replacement]
+        keeper.check(now=now + 1)                # alive: left alone; Flower's still watched by its app
+        assert keeper.pid == replacement and keeper.restart_at is None and zombie(first)
         app.kill()
         app.wait()
-        keeper.check(now=now + 5.3)
-        assert not psutil.pid_exists(replacement) and keeper.dead == []   # reaped now
-        os.kill(second, signal.SIGKILL)              # a quick death: 1 s
-        while not zombie(second):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        keeper.check(now=now + 6)
-        assert keeper.restart_at == pytest.approx(now + 7)
+        keeper.check(now=now + 2)
+        assert not psutil.pid_exists(first) and keeper.dead == []   # reaped now
+        def handles_sigterm() -> bool:           # its handler is set (SigCgt, bit SIGTERM - 1)
+            for line in Path(f"/proc/{replacement}/status").read_text().splitlines():
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+            return False
+
+        wait_until(handles_sigterm, "the replacement set no SIGTERM handler")
+        os.kill(replacement, signal.SIGTERM)     # as when its node is stopped: it exits 0
+        wait_until(lambda: zombie(replacement), "the replacement did not exit")
+        assert exit_status(replacement) == 0
+        keeper.check(now=now + 3)
+        assert keeper.restart_at == pytest.approx(now + 6)
+        keeper.check(now=now + 6.1)
+        second = keeper.pid
+        assert second not in (first, replacement)
+        keeper.check(now=now + 6.2)              # nothing names the replacement: reaped
+        assert not psutil.pid_exists(replacement)
+        os.kill(second, signal.SIGKILL)          # a quick death: 1 s
+        wait_until(lambda: zombie(second), "the second replacement did not die")
+        keeper.check(now=now + 7)
+        assert keeper.restart_at == pytest.approx(now + 8)
     finally:
         if app is not None and app.poll() is None:
             app.kill()
             app.wait()
-        for pid in [*keeper.started, first.pid]:
+        for pid in [*keeper.started, first]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):

@@ -506,7 +506,12 @@ def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: 
     SuperLink could not be asked). Past ``deadline`` (``time.monotonic()``; the run's
     ``--timeout``), raises ``subprocess.TimeoutExpired`` as ``flwr_run`` does."""
     status = None
+    def past_deadline() -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired("flwr run (followed from its metrics)", poll_s)
+
     for _ in range(5):
+        past_deadline()
         status = run_status(flwr_home)
         if status is not None or (alive is not None and not alive()):
             break
@@ -533,8 +538,7 @@ def follow_after_stream_loss(code: int, flwr_home: Path, run_dir: Path, rounds: 
         if unreachable >= 5 or (status is not None and not status.startswith(ACTIVE)):
             print(f"pflower: the run is {status or 'unreachable'}", file=sys.stderr, flush=True)
             return status
-        if deadline is not None and time.monotonic() >= deadline:
-            raise subprocess.TimeoutExpired("flwr run (followed from its metrics)", poll_s)
+        past_deadline()
         time.sleep(poll_s)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from logging import ERROR, WARNING
@@ -67,30 +68,41 @@ def is_superexec(argv: list[str]) -> bool:
     return any(part.rsplit("/", 1)[-1] == "flower-superexec" for part in argv[:3])
 
 
-def exit_signal(pid: int) -> int | None:
-    """The signal that ended child ``pid`` (0: it exited), read without reaping it; None when
-    it is not a dead child of this process. Why not reaped: the app processes a SuperExec
-    started watch its pid with ``kill(pid, 0)`` and exit once it is gone; a zombie keeps them
-    going."""
+def exit_status(pid: int) -> int | None:
+    """How child ``pid`` ended, as ``Popen.returncode`` says it (``-N``: signal N), read without
+    reaping it; None when it is not a dead child of this process. Why not reaped: the app
+    processes a SuperExec started watch its pid with ``kill(pid, 0)`` and exit once it is
+    gone; a zombie keeps them going."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
         return None
     if info is None:
         return None
-    return info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else 0
+    return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+
+
+def own_child(pid: int) -> None:
+    """Take child ``pid`` off the list of dropped ``Popen`` objects that every later ``Popen``
+    of this process reaps (``subprocess._active``): Flower's SuperNode starts its SuperExec
+    with a ``Popen`` it does not keep, so the next process the node starts (a runner, say)
+    would reap the dead SuperExec and end the apps it had started. The keeper reaps it."""
+    active = getattr(subprocess, "_active", None)
+    if isinstance(active, list):
+        active[:] = [p for p in active if getattr(p, "pid", None) != pid]
 
 
 class SuperExecKeeper(Keeper):
     """Starts Flower's ``flower-superexec`` of this process (``owner``, the SuperLink's or the
     SuperNode's) again, with the command line it had, when it has died (see the module's
     docstring for why). It only watches: until Flower has started its own SuperExec, and while
-    one lives, it does nothing. One ended by SIGTERM or SIGINT (its node is being stopped) or
-    of an unknown end is started again only after 3 s, in which its node exits; one SIGKILLed
-    at once (then 1, 2, 4, ... s if it keeps dying). A replacement runs in the owner's process
-    group, so stopping the node's group stops it; it is started with ``posix_spawn`` (a
-    ``subprocess.Popen`` would reap Flower's dead SuperExec, ending the apps it started), and a
-    dead one is reaped only once no live process names it as its ``--parent-pid``."""
+    one lives, it does nothing. One SIGKILLed is started again at once (then after 1, 2, 4, ...
+    s if it keeps dying); one that exited cleanly (Flower's SuperExec exits 0 on SIGTERM, SIGINT
+    and SIGQUIT), was ended by SIGTERM or SIGINT, or ended unknown, after 3 s, in which a node
+    being stopped exits. A replacement runs in the owner's process group, so stopping the
+    node's group stops it; it is started with ``posix_spawn`` (a ``subprocess.Popen`` would
+    reap a dead SuperExec, ending the apps it started), and a dead SuperExec, Flower's or a
+    replacement, is reaped only once no live process names it as its ``--parent-pid``."""
 
     POLL_S = 1.0
 
@@ -100,7 +112,7 @@ class SuperExecKeeper(Keeper):
         self.argv: list[str] | None = None   # the SuperExec's command line, once seen
         self.pid: int | None = None
         self.started: set[int] = set()   # the replacements this keeper started
-        self.dead: list[int] = []   # those that have died, not yet reaped
+        self.dead: list[int] = []   # dead SuperExecs, not yet reaped
 
     def live_superexec(self) -> psutil.Process | None:
         for child in psutil.Process(self.owner).children():
@@ -120,20 +132,20 @@ class SuperExecKeeper(Keeper):
         if live is not None:
             if live.pid != self.pid:
                 self.argv, self.pid = live.cmdline(), live.pid
+                own_child(live.pid)
             return
         if self.argv is None:   # Flower has not started it yet
             return
         if self.restart_at is None:
-            ended_by = exit_signal(self.pid) if self.pid is not None else None
-            code = None if ended_by is None else -ended_by if ended_by else 0
-            delay = self.STOP_GRACE_S if code is None else self._delay(code, now)
+            code = exit_status(self.pid) if self.pid is not None else None
+            delay = self.STOP_GRACE_S if code in (None, 0) else self._delay(code, now)
             self.restart_at = now + delay
             log(WARNING, "pflower: Flower's SuperExec (pid %s) exited (%s); starting it again in %.1f s (without "
                 "it no app process of a later task would start)", self.pid,
                 "end unknown" if code is None else f"code {code}", delay)
         if now >= self.restart_at:
             self.restart_at = None
-            if self.pid is not None and self.pid in self.started:
+            if self.pid is not None:
                 self.dead.append(self.pid)
             pid = os.posix_spawnp(self.argv[0], self.argv, dict(os.environ))   # in the owner's group
             self.started.add(pid)
@@ -141,7 +153,7 @@ class SuperExecKeeper(Keeper):
             log(WARNING, "pflower: started Flower's SuperExec again (pid %d)", pid)
 
     def _reap_unwatched(self) -> None:
-        """Reap the dead replacements no live app process names as its ``--parent-pid``."""
+        """Reap the dead SuperExecs no live app process names as its ``--parent-pid``."""
         if not self.dead:
             return
         watched = set()
