@@ -504,7 +504,7 @@ def test_flowers_own_clis_run_pflower_over_tls_with_the_simulations_numbers(tmp_
         assert "flower-superlink" in dep.link.command()[0]
         assert all("flower-supernode" in node.command[0] for node in dep.nodes)
         code = dep.run(_run_cfg("fedavg", "stock", results), timeout=900)
-        ok, why = run_result(results / "stock", 0, code)
+        ok, why, _ = run_result(results / "stock", 0, code)
         assert ok, why + dep.logs()
     deployed = _summary(results, "stock")
     _check_summary(deployed, 2)
